@@ -1,0 +1,302 @@
+"""Batched sampling: a jitted prefill, then a jitted `lax.while_loop` decode over a fixed KV cache.
+
+Shapes are bucketed (batch to powers of two, prompt and new-token lengths to multiples of 16 rounded
+to powers of two) so a run compiles a handful of programs whatever its inputs. Rows that stop early
+do not hold the batch hostage: once at most half the rows are still going, the loop exits, the host
+gathers the live rows into the next smaller batch bucket (`compaction`) and decoding continues there.
+
+Randomness is keyed per (row, token index), so a row's sample does not depend on which other rows
+share its batch or on compaction; the same key gives the same completions.
+
+Log-probs are of the sampled token under softmax(logits / temperature) (plain softmax for greedy),
+before top-k / top-p truncation: the distribution a teacher-forced training pass recomputes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax.models import decoder
+from marl_jax.models.decoder import KVCache, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+class SampleOutput(NamedTuple):
+    tokens: np.ndarray  # [N, max_new_tokens] int32, pad_id after each row's length
+    logprobs: np.ndarray  # [N, max_new_tokens] float32, 0 after each row's length
+    lengths: np.ndarray  # [N] int32, tokens generated (including a stop token)
+    finished: np.ndarray  # [N] bool, True when the row ended on a stop token
+
+    def row(self, i: int) -> tuple[list[int], list[float]]:
+        n = int(self.lengths[i])
+        return self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist()
+
+
+class DecodeState(NamedTuple):
+    cache: KVCache
+    token: jax.Array  # [B] last sampled token (not yet in the cache)
+    pos: jax.Array  # [B] position of `token`
+    step: jax.Array  # scalar: tokens generated so far by every live row
+    active: jax.Array  # [B] row still generating
+    out_tokens: jax.Array  # [B, Tn]
+    out_logp: jax.Array  # [B, Tn]
+    row_id: jax.Array  # [B] original row index (keys the randomness); -1 for filler rows
+    max_len: jax.Array  # [B] per-row new-token limit
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _batch_bucket(n: int, multiple: int) -> int:
+    b = 1 << (max(n, 1) - 1).bit_length()
+    return max(b, multiple)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """Pick one token per row from float32 logits [B, V]; returns (tokens [B], log-probs [B])."""
+    if sp.temperature == 0.0:
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        tok = jnp.argmax(logits, axis=-1)
+    else:
+        scaled = logits / sp.temperature
+        logp_all = jax.nn.log_softmax(scaled, axis=-1)
+        masked = scaled
+        if sp.top_k > 0:
+            kth = jax.lax.top_k(scaled, sp.top_k)[0][:, -1:]
+            masked = jnp.where(scaled < kth, -jnp.inf, masked)
+        if sp.top_p < 1.0:
+            srt = -jnp.sort(-masked, axis=-1)
+            probs = jax.nn.softmax(srt, axis=-1)
+            keep = (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p  # always keeps the top token
+            cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+            masked = jnp.where(masked < cutoff, -jnp.inf, masked)
+        tok = jax.vmap(jax.random.categorical)(keys, masked)
+    tok = tok.astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+
+
+def _row_keys(key, row_id, step):
+    return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(row_id)
+
+
+def _select_lora(lora, slot):
+    if lora is None:
+        return None
+    return jax.tree_util.tree_map(lambda x: x[slot], lora)
+
+
+class Sampler:
+    """Generates completions for a list of token prompts.
+
+    Parameters are arguments of the jitted programs (never closed over), so updating them does not
+    recompile. `lora` (optional) has a leading slot axis; `slot` picks one by a traced index.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
+                 lora_scale: float = 1.0, mesh=None, compaction: bool = True, min_batch: int = 8):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.pad_id = pad_id
+        self.lora_scale = lora_scale
+        self.mesh = mesh
+        self.compaction = compaction
+        self.data_size = 1 if mesh is None else mesh.shape.get("data", 1)
+        self.min_batch = max(min_batch, self.data_size)
+        self.stats: dict[str, Any] = {}
+        self._fns: dict[Any, Any] = {}
+
+    # ---- jitted programs (built once per static signature) ----
+    def _constrain(self, state):
+        if self.mesh is None:
+            return state
+        from marl_jax.models import sharding
+        return sharding.constrain_state(state, self.mesh, self.cfg)
+
+    def _prefill_fn(self, sp: SamplingParams, cache_len: int, out_len: int):
+        key_ = ("prefill", sp, cache_len, out_len)
+        if key_ in self._fns:
+            return self._fns[key_]
+        cfg = self.cfg
+
+        def prefill(params, lora, slot, tokens, valid, max_len, row_id, key):
+            B, P = tokens.shape
+            cache = decoder.init_cache(cfg, B, cache_len, self.dtype)
+            positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+            lo = _select_lora(lora, slot)
+            logits, cache = decoder.forward_cached(params, cfg, tokens, positions, cache, jnp.int32(0), valid,
+                                                   lora=lo, lora_scale=self.lora_scale, dtype=self.dtype)
+            tok, lp = sample_tokens(logits[:, -1], _row_keys(key, row_id, 0), sp)
+            active = (row_id >= 0) & ~jnp.isin(tok, jnp.asarray(sp.stop_ids or (-1,), jnp.int32)) & (max_len > 1)
+            out_tokens = jnp.full((B, out_len), self.pad_id, jnp.int32).at[:, 0].set(tok)
+            out_logp = jnp.zeros((B, out_len), jnp.float32).at[:, 0].set(lp)
+            state = DecodeState(cache, tok, positions[:, -1] + 1, jnp.int32(1), active, out_tokens, out_logp,
+                                row_id, max_len)
+            return self._constrain(state)
+
+        fn = jax.jit(prefill)
+        self._fns[key_] = fn
+        return fn
+
+    def _decode_fn(self, sp: SamplingParams, prompt_len: int):
+        key_ = ("decode", sp, prompt_len)
+        if key_ in self._fns:
+            return self._fns[key_]
+        cfg = self.cfg
+        stops = jnp.asarray(sp.stop_ids or (-1,), jnp.int32)
+
+        def decode(params, lora, slot, state: DecodeState, key, min_active):
+            lo = _select_lora(lora, slot)
+            Tn = state.out_tokens.shape[1]
+
+            def cond(s: DecodeState):
+                n = jnp.sum(s.active)
+                return (s.step < Tn) & (n > 0) & (n > min_active)
+
+            def body(s: DecodeState):
+                logits, cache = decoder.forward_cached(
+                    params, cfg, s.token[:, None], s.pos[:, None], s.cache, prompt_len + s.step - 1,
+                    s.active[:, None], lora=lo, lora_scale=self.lora_scale, dtype=self.dtype)
+                tok, lp = sample_tokens(logits[:, 0], _row_keys(key, s.row_id, s.step), sp)
+                tok = jnp.where(s.active, tok, self.pad_id)
+                lp = jnp.where(s.active, lp, 0.0)
+                out_tokens = jax.lax.dynamic_update_slice(s.out_tokens, tok[:, None], (0, s.step))
+                out_logp = jax.lax.dynamic_update_slice(s.out_logp, lp[:, None], (0, s.step))
+                active = s.active & ~jnp.isin(tok, stops) & (s.step + 1 < s.max_len)
+                return DecodeState(cache, tok, s.pos + 1, s.step + 1, active, out_tokens, out_logp,
+                                   s.row_id, s.max_len)
+
+            return self._constrain(jax.lax.while_loop(cond, body, state))
+
+        fn = jax.jit(decode, donate_argnums=(3,))
+        self._fns[key_] = fn
+        return fn
+
+    def _gather_fn(self):
+        if "gather" not in self._fns:
+            def gather(state: DecodeState, idx, keep):
+                take = lambda x, axis=0: jnp.take(x, idx, axis=axis)
+                cache = KVCache(take(state.cache.k, 1), take(state.cache.v, 1), take(state.cache.valid))
+                return self._constrain(DecodeState(
+                    cache, take(state.token), take(state.pos), state.step, take(state.active) & keep,
+                    take(state.out_tokens), take(state.out_logp), jnp.where(keep, take(state.row_id), -1),
+                    take(state.max_len)))
+            self._fns["gather"] = jax.jit(gather)
+        return self._fns["gather"]
+
+    # ---- host driver ----
+    def generate(self, params, prompts: Sequence[Sequence[int]], key: jax.Array, sp: SamplingParams, *,
+                 max_new_tokens: Sequence[int] | None = None, lora=None, slot: int = 0) -> SampleOutput:
+        """Sample one completion per prompt. `max_new_tokens` optionally limits rows individually."""
+        n = len(prompts)
+        if n == 0:
+            z = np.zeros((0, sp.max_new_tokens))
+            return SampleOutput(z.astype(np.int32), z.astype(np.float32), np.zeros(0, np.int32), np.zeros(0, bool))
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token (add a BOS or chat header)")
+        limits = np.full(n, sp.max_new_tokens, np.int32) if max_new_tokens is None else \
+            np.minimum(np.asarray(max_new_tokens, np.int32), sp.max_new_tokens)
+        out = SampleOutput(np.full((n, sp.max_new_tokens), self.pad_id, np.int32),
+                           np.zeros((n, sp.max_new_tokens), np.float32), np.zeros(n, np.int32), np.zeros(n, bool))
+        self._stops, self._limits = tuple(sp.stop_ids), limits
+        self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0}
+        # Longest prompts first, so each chunk's prompt bucket is tight.
+        order = np.argsort([-len(p) for p in prompts], kind="stable")
+        for start in range(0, n, self.max_batch):
+            idx = order[start:start + self.max_batch]
+            self._generate_chunk(params, [prompts[i] for i in idx], idx, key, sp, limits[idx], lora, slot, out)
+        return out
+
+    def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, lora, slot, out: SampleOutput):
+        n = len(prompts)
+        B = _batch_bucket(n, self.min_batch)
+        P = _bucket(max(len(p) for p in prompts))
+        Tn = _bucket(sp.max_new_tokens)
+        tokens = np.full((B, P), self.pad_id, np.int32)
+        valid = np.zeros((B, P), bool)
+        for i, p in enumerate(prompts):
+            tokens[i, P - len(p):] = p
+            valid[i, P - len(p):] = True
+        valid[n:, -1] = True  # filler rows: one dummy token so their softmax is well defined
+        rid = np.full(B, -1, np.int32)
+        rid[:n] = row_ids
+        max_len = np.zeros(B, np.int32)
+        max_len[:n] = limits
+        slot = jnp.int32(slot)
+        t0 = time.perf_counter()
+        state = self._prefill_fn(sp, P + Tn, Tn)(params, lora, slot, jnp.asarray(tokens), jnp.asarray(valid),
+                                                 jnp.asarray(max_len), jnp.asarray(rid), key)
+        jax.block_until_ready(state.token)
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        decode = self._decode_fn(sp, P)
+        t0 = time.perf_counter()
+        while True:
+            B = state.active.shape[0]
+            can_shrink = self.compaction and B > self.min_batch
+            step0 = int(state.step)
+            state = decode(params, lora, slot, state, key, jnp.int32(B // 2 if can_shrink else 0))
+            active = np.asarray(state.active)
+            step = int(state.step)
+            self.stats["decode_steps"] += step - step0
+            self.stats["row_steps"] += (step - step0) * B
+            self._harvest(state, out)
+            if not active.any() or step >= Tn:
+                break
+            # Compact: live rows first, then fillers, into the next smaller bucket.
+            live = np.flatnonzero(active)
+            newB = _batch_bucket(len(live), self.min_batch)
+            fill = np.flatnonzero(~active)[: newB - len(live)]
+            idx = np.concatenate([live, fill]).astype(np.int32)
+            keep = np.arange(newB) < len(live)
+            state = self._gather_fn()(state, jnp.asarray(idx), jnp.asarray(keep))
+            self.stats["compactions"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _harvest(self, state: DecodeState, out: SampleOutput):
+        """Copy every real row's results so far to the host output (live rows are overwritten later)."""
+        rid = np.asarray(state.row_id)
+        real = rid >= 0
+        toks = np.asarray(state.out_tokens)[real]
+        lps = np.asarray(state.out_logp)[real]
+        rows = rid[real]
+        Tn_out = out.tokens.shape[1]
+        lengths = np.zeros(len(rows), np.int32)
+        step = int(state.step)
+        # A row's length: up to and including its stop token, capped by its limit and the step count.
+        stops = np.isin(toks[:, :step], np.asarray(self._stops)) if self._stops else np.zeros((len(rows), step), bool)
+        for j, r in enumerate(rows):
+            hit = np.flatnonzero(stops[j])
+            length = hit[0] + 1 if len(hit) else step
+            length = min(length, int(self._limits[r]) if self._limits is not None else Tn_out, Tn_out)
+            lengths[j] = length
+            out.tokens[r, :length] = toks[j, :length]
+            out.logprobs[r, :length] = lps[j, :length]
+            out.tokens[r, length:] = self.pad_id
+            out.logprobs[r, length:] = 0.0
+            out.lengths[r] = length
+            out.finished[r] = bool(len(hit)) and hit[0] < length
