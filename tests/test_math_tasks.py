@@ -188,7 +188,9 @@ def test_extract_boxed_edge_cases():
     assert extract_boxed("no box here") is None
     assert extract_boxed("\\boxed{1} then truncated \\boxed{2") is None
     assert extract_boxed("\\boxedfoo{3}") is None
-    assert extract_boxed("\\boxed{}") == ""
+    assert extract_boxed("\\boxed{}") is None  # an empty box holds no answer ...
+    assert extract_boxed("\\boxed{4}, as asked: \\boxed{ }") == "4"  # ... and is skipped
+    assert extract_boxed("\\boxed{4} and \\boxed") == "4"
     assert extract_boxed("") is None
 
 
@@ -215,6 +217,7 @@ def test_extract_answer_modes():
     assert extract_answer(text, "boxed_or_last_number") == "3"
     assert extract_answer("maybe 4", "boxed_or_last_number") == "4"
     assert extract_answer("maybe 4", "boxed") is None
+    assert extract_answer("so 2 + 2 = 4, answer in \\boxed{}", "boxed_or_last_number") == "4"
     with pytest.raises(ValueError, match="last_number"):
         extract_answer("x", "first_number")
 
@@ -389,7 +392,7 @@ def test_loader_errors(tmp_path):
         load_math_file(empty_answer)
     unclosed = tmp_path / "unclosed.jsonl"
     unclosed.write_text(json.dumps({"problem": "a", "solution": "so \\boxed{12"}) + "\n")
-    with pytest.raises(ValueError, match="row 0: answer has a .boxed with no balanced"):
+    with pytest.raises(ValueError, match="row 0: answer has a .boxed but no complete"):
         load_math_file(unclosed, answer_key="solution")
     csv = tmp_path / "data.csv"
     csv.write_text("problem,answer\n")

@@ -72,30 +72,32 @@ def _match_braces(text: str, open_idx: int) -> int | None:
     return None
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in text, or None.
-
-    Nested braces are matched. The brace-less form ``\\boxed 5`` yields the text after the space up to
-    the next whitespace or ``$``. If the last box is unclosed (e.g. a truncated output), the result is
-    None: an earlier box is an intermediate result, not the final answer.
-    """
-    if not text:
-        return None
-    matches = list(_BOX_RE.finditer(text))
-    if not matches:
-        return None
-    end = matches[-1].end()
+def _box_content(text: str, end: int) -> str | None:
+    """Content of the box whose command ends at index end ("" if empty); None if it is unclosed."""
     rest = text[end:]
     stripped = rest.lstrip()
     if stripped.startswith("{"):
         open_idx = end + (len(rest) - len(stripped))
         close_idx = _match_braces(text, open_idx)
-        if close_idx is None:
-            return None
-        return text[open_idx + 1 : close_idx].strip()
-    if rest[:1].isspace():
+        return None if close_idx is None else text[open_idx + 1 : close_idx].strip()
+    if rest[:1].isspace():  # brace-less "\boxed 5"
         m = re.match(r"[^\s$]+", stripped)
-        return m.group(0) if m else None
+        return m.group(0) if m else ""
+    return ""
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last non-empty ``\\boxed{...}`` / ``\\fbox{...}`` in text, or None.
+
+    Nested braces are matched. The brace-less form ``\\boxed 5`` yields the text after the space up to
+    the next whitespace or ``$``. Empty boxes are skipped (small models echo the instruction "put
+    your answer in \\boxed{}"). If the last box is unclosed (e.g. a truncated output), the result is
+    None: an earlier box is an intermediate result, not the final answer.
+    """
+    for match in reversed(list(_BOX_RE.finditer(text or ""))):
+        content = _box_content(text, match.end())
+        if content is None or content:
+            return content
     return None
 
 
@@ -460,7 +462,7 @@ def _ground_truth(value: Any, rowno: int, path: str) -> str:
         boxed = extract_boxed(text)
         if boxed is None:
             raise ValueError(
-                f"{path}: row {rowno}: answer has a \\boxed with no balanced {{...}}: {text[-80:]!r}"
+                f"{path}: row {rowno}: answer has a \\boxed but no complete, non-empty one: {text[-80:]!r}"
             )
         text = boxed
     if not text:
