@@ -69,7 +69,10 @@ class DecodeState(NamedTuple):
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+    """Multiples of 16 up to 256 (prompt lengths vary a lot there), then powers of two."""
+    if n <= 256:
+        return max(minimum, -(-n // 16) * 16)
+    return 1 << (n - 1).bit_length()
 
 
 def _batch_bucket(n: int, multiple: int) -> int:
@@ -150,7 +153,8 @@ class Sampler:
             positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
             lo = _select_lora(lora, slot)
             logits, cache = decoder.forward_cached(params, cfg, tokens, positions, cache, jnp.int32(0), valid,
-                                                   lora=lo, lora_scale=self.lora_scale, dtype=self.dtype)
+                                                   lora=lo, lora_scale=self.lora_scale, dtype=self.dtype,
+                                                   last_only=True)
             tok, lp = sample_tokens(logits[:, -1], _row_keys(key, row_id, 0), sp)
             active = (row_id >= 0) & ~jnp.isin(tok, jnp.asarray(sp.stop_ids or (-1,), jnp.int32)) & (max_len > 1)
             out_tokens = jnp.full((B, out_len), self.pad_id, jnp.int32).at[:, 0].set(tok)

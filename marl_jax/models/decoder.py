@@ -295,11 +295,13 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arra
 
 def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                    cache: KVCache, write_index: jax.Array, new_valid: jax.Array, *,
-                   lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32):
+                   lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
+                   last_only: bool = False):
     """Run `tokens` [B, S] (written at cache slots write_index..write_index+S-1, the same slots for
     every row) against the cache. Returns (logits [B, S, V] float32, updated cache).
 
-    Used for prefill (S = padded prompt length, write_index = 0) and decode (S = 1).
+    Used for prefill (S = padded prompt length, write_index = 0) and decode (S = 1). `last_only`
+    computes logits for the last position only (prefill needs no others; the LM head is costly).
     """
     B, S = tokens.shape
     T = cache.k.shape[2]
@@ -324,7 +326,7 @@ def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, position
 
     x = embed(params, tokens, dtype)
     (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), (params["layers"], lora))
-    return unembed(params, cfg, x), KVCache(k, v, valid)
+    return unembed(params, cfg, x[:, -1:] if last_only else x), KVCache(k, v, valid)
 
 
 def cast_params(params: Params, dtype) -> Params:

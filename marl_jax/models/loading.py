@@ -1,0 +1,48 @@
+"""One entry point from a model spec (HF folder, .gguf file or embedded name) to config, params, tokenizer."""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from marl_jax.models import embedded, hf
+from marl_jax.models.decoder import ModelConfig, config_from_hf
+from marl_jax.models.tokenizer import Tokenizer
+
+
+class LoadedModel(NamedTuple):
+    cfg: ModelConfig
+    params: Any  # numpy pytree (place it with jax.device_put or sharding.shard_params)
+    tokenizer: Tokenizer
+    source: str
+
+
+def resolve(spec: str) -> tuple[str, pathlib.Path]:
+    """('embedded' | 'gguf' | 'hf', path) for a model spec; raises with the fix when it is neither."""
+    if embedded.is_embedded(spec):
+        return "gguf", embedded.embedded_gguf_path(spec)
+    path = pathlib.Path(os.path.expanduser(spec))
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir():
+        return "hf", path
+    raise FileNotFoundError(
+        f"model {spec!r} is not an embedded name ({', '.join(sorted(embedded.EMBEDDED))}), "
+        "a .gguf file or a Hugging Face checkpoint folder (config.json + safetensors)")
+
+
+def load_model(spec: str, dtype=np.float32) -> LoadedModel:
+    kind, path = resolve(spec)
+    if kind == "gguf":
+        from marl_jax.models.gguf import read_gguf
+
+        hf_cfg, sd = read_gguf(path)
+        cfg = config_from_hf(hf_cfg)
+        params = hf.params_from_state_dict(cfg, sd, dtype)
+        tok = Tokenizer.from_gguf(path)
+    else:
+        cfg, params = hf.load_hf_dir(path, dtype)
+        tok = Tokenizer.from_hf_dir(path)
+    return LoadedModel(cfg, params, tok, str(path))
