@@ -1,0 +1,282 @@
+"""Checkpoints on orbax: the training state (arrays) plus a small JSON side record, keep-last-N plus best.
+
+Layout: ``<workdir>/checkpoints/<step>/{state, meta, metrics}``. ``state`` is a pytree of arrays saved
+with ``StandardSave`` (trainable parameters, optimizer state, PRNG key data); ``meta`` is a JSON dict
+(data-iterator state, config, validation numbers); ``metrics`` holds ``{"best_metric": x}`` when the
+caller gave one, and is what orbax ranks checkpoints by.
+
+Retention: the newest ``keep`` checkpoints, plus (with ``keep_best``) the one with the highest
+``best_metric`` ever saved, however old. Ties go to the later step, as orbax sorts them.
+
+Atomicity: orbax writes each step into ``<step>.orbax-checkpoint-tmp-*`` and renames it into place after
+writing ``commit_success.txt`` inside it. ``latest_step`` and ``best_step`` additionally count only step
+directories that contain that commit file, so a save killed at any point (a leftover temporary
+directory, or a step directory without its commit marker) is never picked for restore.
+
+Saves are asynchronous: ``save`` returns once the arrays are copied to host memory, so the caller may
+donate or delete its buffers right after; ``wait`` blocks until the files are committed.
+
+PRNG keys: typed key arrays (``jax.random.key``) are stored as their ``key_data`` (uint32) and rebuilt
+with the template's key implementation on restore; raw uint32 key data round-trips as is.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.checkpoint_managers import preservation_policy as _pp
+
+__all__ = ["Checkpointer", "COMMIT_FILE"]
+
+COMMIT_FILE = "commit_success.txt"  # orbax writes it last, before the atomic rename
+_BEST_KEY = "best_metric"
+
+
+class _NoMetricWarning(logging.Filter):
+    # orbax warns on every save without metrics; here that is normal (a checkpoint between validations)
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_NoMetricWarning())
+
+
+def _is_typed_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _path_str(path: tuple) -> str:
+    return jax.tree_util.keystr(path)
+
+
+def _to_savable(state: Any) -> Any:
+    """Typed PRNG keys -> key data, numpy scalars -> 0-d arrays; rejects leaves orbax cannot write."""
+
+    def conv(path, x):
+        if _is_typed_key(x):
+            x = jax.random.key_data(x)
+        elif isinstance(x, np.generic):
+            x = np.asarray(x)
+        elif isinstance(x, (bool, int, float)) and not isinstance(x, np.ndarray):
+            pass  # orbax stores python scalars and gives them back as python scalars
+        elif not isinstance(x, (np.ndarray, jax.Array)):
+            raise TypeError(
+                f"checkpoint state leaf {_path_str(path)} has type {type(x).__name__}; state must hold only "
+                "jax/numpy arrays or python scalars (put other values in `meta`)")
+        if np.size(x) == 0:
+            raise ValueError(
+                f"checkpoint state leaf {_path_str(path)} is an empty array of shape {np.shape(x)}; orbax "
+                "cannot save zero-size arrays, so drop it from the state")
+        return x
+
+    return jax.tree_util.tree_map_with_path(conv, state)
+
+
+def _to_restore_template(template: Any) -> Any:
+    def conv(x):
+        if _is_typed_key(x):
+            return jax.random.key_data(x)
+        if isinstance(x, np.generic):
+            return np.asarray(x)
+        return x
+
+    return jax.tree.map(conv, template)
+
+
+def _match_template(restored: Any, template: Any) -> Any:
+    """Give back typed keys and numpy scalars where the template had them."""
+
+    def conv(r, t):
+        if _is_typed_key(t):
+            return jax.random.wrap_key_data(r, impl=jax.random.key_impl(t))
+        if isinstance(t, np.generic):
+            return np.asarray(r, dtype=t.dtype)[()]
+        return r
+
+    return jax.tree.map(conv, restored, template)
+
+
+def _check_json(meta: Mapping[str, Any]) -> dict:
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"meta must be a JSON-able dict, got {type(meta).__name__}")
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"meta is not JSON-serialisable ({e}); convert arrays with .tolist() / int()") from e
+    return dict(meta)
+
+
+class Checkpointer:
+    """Saves and restores ``(state, meta)`` pairs under ``<workdir>/checkpoints``.
+
+    Args:
+      workdir: the run directory (created on the first save).
+      keep: number of most recent checkpoints to keep (>= 1).
+      keep_best: also keep the checkpoint with the highest ``best_metric``, even when older than the
+        last ``keep``.
+      async_save: write in a background thread (``wait()`` joins it).
+    """
+
+    def __init__(self, workdir: str | os.PathLike, keep: int = 3, keep_best: bool = True,
+                 async_save: bool = True):
+        if int(keep) < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.workdir = os.fspath(workdir)
+        self.directory = os.path.join(self.workdir, "checkpoints")
+        self.keep = int(keep)
+        self.keep_best = bool(keep_best)
+        self._async = bool(async_save)
+        self._mgr: ocp.CheckpointManager | None = None
+        if os.path.isdir(self.directory):
+            self._open()
+
+    # -- manager ---------------------------------------------------------------------------------
+    def _open(self) -> ocp.CheckpointManager:
+        if self._mgr is None:
+            self._drop_uncommitted()
+            policies: list[Any] = [_pp.LatestN(n=self.keep)]
+            if self.keep_best:
+                policies.append(_pp.BestN(get_metric_fn=lambda m: m[_BEST_KEY], reverse=False, n=1,
+                                          keep_checkpoints_without_metrics=False))
+            options = ocp.CheckpointManagerOptions(
+                best_fn=lambda m: m[_BEST_KEY], best_mode="max",
+                preservation_policy=_pp.AnyPreservationPolicy(policies),
+                cleanup_tmp_directories=True,  # drop leftovers of interrupted saves on open
+                enable_async_checkpointing=self._async,
+                create=True,
+            )
+            self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        return self._mgr
+
+    def _committed(self, step: int) -> bool:
+        return os.path.isfile(os.path.join(self.directory, str(step), COMMIT_FILE))
+
+    def _drop_uncommitted(self) -> None:
+        """Removes step directories without a commit marker (left by a save killed mid-write)."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.isdigit() and os.path.isdir(path) and not self._committed(int(name)):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _manager(self) -> ocp.CheckpointManager | None:
+        """The orbax manager if the checkpoints directory exists (another process may have made it)."""
+        if self._mgr is None and os.path.isdir(self.directory):
+            self._open()
+        return self._mgr
+
+    def all_steps(self) -> list[int]:
+        """Committed checkpoint steps, ascending (waits for pending saves)."""
+        mgr = self._manager()
+        if mgr is None:
+            return []
+        self.wait()
+        return sorted(s for s in mgr.all_steps() if self._committed(s))
+
+    # -- API -------------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None,
+             best_metric: float | None = None) -> None:
+        """Saves ``state`` (pytree of arrays) and ``meta`` (JSON dict) as checkpoint ``step``.
+
+        ``best_metric`` (e.g. validation success) ranks checkpoints for ``best_step``; None means this
+        checkpoint takes no part in the ranking. ``state`` is not modified. Steps must increase.
+        """
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        meta = _check_json(meta or {})
+        metrics = None
+        if best_metric is not None:
+            best_metric = float(best_metric)
+            if not math.isfinite(best_metric):
+                raise ValueError(f"best_metric must be finite or None, got {best_metric}")
+            metrics = {_BEST_KEY: best_metric}
+        savable = _to_savable(state)
+        mgr = self._open()
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            raise ValueError(
+                f"checkpoint step {step} is not after the latest saved step {latest} in {self.directory}; "
+                "save increasing steps (a resumed run continues after its restored step)")
+        saved = mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(savable),
+                                                       meta=ocp.args.JsonSave(meta)),
+                         metrics=metrics, force=True)
+        if not saved:
+            raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
+
+    def wait(self) -> None:
+        """Blocks until every pending save is committed to disk."""
+        if self._mgr is not None:
+            self._mgr.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The committed step with the highest ``best_metric`` (later step on ties), or None."""
+        best, best_val = None, -math.inf
+        for s in self.all_steps():
+            m = self._mgr.metrics(s)
+            if m is not None and _BEST_KEY in m and float(m[_BEST_KEY]) >= best_val:
+                best, best_val = s, float(m[_BEST_KEY])
+        return best
+
+    def best_metric(self, step: int) -> float | None:
+        """The ``best_metric`` saved with ``step`` (None if it had none)."""
+        mgr = self._manager()
+        if mgr is None:
+            return None
+        m = mgr.metrics(int(step))
+        return None if m is None or _BEST_KEY not in m else float(m[_BEST_KEY])
+
+    def restore(self, step: int | None = None, template: Any = None) -> tuple[Any, dict]:
+        """Returns ``(state, meta)`` of ``step`` (default: the latest committed step).
+
+        ``template`` is a state-like pytree (arrays or ``jax.ShapeDtypeStruct``) giving the structure,
+        dtypes, shapes and shardings to restore into; typed PRNG keys in it come back as typed keys.
+        Without a template the saved structure and dtypes are used.
+        """
+        if not os.path.isdir(self.workdir):
+            raise FileNotFoundError(f"cannot restore: workdir {self.workdir!r} does not exist")
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(
+                f"cannot restore: no checkpoints directory in {self.workdir!r} (nothing was saved there)")
+        mgr = self._open()
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"cannot restore: no committed checkpoint in {self.directory!r}")
+        step = int(step)
+        if not self._committed(step):
+            raise FileNotFoundError(
+                f"cannot restore step {step}: no committed checkpoint for it in {self.directory!r}; "
+                f"available steps: {self.all_steps()}")
+        state_arg = (ocp.args.StandardRestore() if template is None
+                     else ocp.args.StandardRestore(_to_restore_template(template)))
+        restored = mgr.restore(step, args=ocp.args.Composite(state=state_arg, meta=ocp.args.JsonRestore()))
+        state = restored.state if template is None else _match_template(restored.state, template)
+        return state, dict(restored.meta or {})
+
+    def close(self) -> None:
+        """Waits for pending saves and releases orbax's background resources."""
+        if self._mgr is not None:
+            self._mgr.wait_until_finished()
+            self._mgr.close()
+            self._mgr = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
