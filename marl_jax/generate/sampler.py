@@ -107,32 +107,38 @@ def _row_keys(key, row_id, step):
     return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(row_id)
 
 
-def _select_lora(lora, slot):
-    if lora is None:
-        return None
-    return jax.tree_util.tree_map(lambda x: x[slot], lora)
 
 
 class Sampler:
     """Generates completions for a list of token prompts.
 
     Parameters are arguments of the jitted programs (never closed over), so updating them does not
-    recompile. `lora` (optional) has a leading slot axis; `slot` picks one by a traced index.
+    recompile. `trainable` (optional, see marl_jax.policy.lora) has a leading slot axis; `slot`
+    picks one by a traced index, so sampling another role's slot reuses the same program.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
-                 lora_scale: float = 1.0, mesh=None, compaction: bool = True, min_batch: int = 8):
+                 spec=None, mesh=None, compaction: bool = True, min_batch: int = 8):
+        from marl_jax.policy.lora import PolicySpec
+
         self.cfg = cfg
+        self.spec = spec or PolicySpec()
+        self.lora_scale = self.spec.scale
         self.dtype = dtype
         self.max_batch = max_batch
         self.pad_id = pad_id
-        self.lora_scale = lora_scale
         self.mesh = mesh
         self.compaction = compaction
         self.data_size = 1 if mesh is None else mesh.shape.get("data", 1)
         self.min_batch = max(min_batch, self.data_size)
         self.stats: dict[str, Any] = {}
         self._fns: dict[Any, Any] = {}
+
+    def _select(self, params, trainable, slot):
+        if trainable is None:
+            return params, None
+        from marl_jax.policy.lora import slot_params
+        return slot_params(self.spec, params, trainable, slot)
 
     # ---- jitted programs (built once per static signature) ----
     def _constrain(self, state):
@@ -147,11 +153,11 @@ class Sampler:
             return self._fns[key_]
         cfg = self.cfg
 
-        def prefill(params, lora, slot, tokens, valid, max_len, row_id, key):
+        def prefill(params, trainable, slot, tokens, valid, max_len, row_id, key):
             B, P = tokens.shape
             cache = decoder.init_cache(cfg, B, cache_len, self.dtype)
             positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-            lo = _select_lora(lora, slot)
+            params, lo = self._select(params, trainable, slot)
             logits, cache = decoder.forward_cached(params, cfg, tokens, positions, cache, jnp.int32(0), valid,
                                                    lora=lo, lora_scale=self.lora_scale, dtype=self.dtype,
                                                    last_only=True)
@@ -174,8 +180,8 @@ class Sampler:
         cfg = self.cfg
         stops = jnp.asarray(sp.stop_ids or (-1,), jnp.int32)
 
-        def decode(params, lora, slot, state: DecodeState, key, min_active):
-            lo = _select_lora(lora, slot)
+        def decode(params, trainable, slot, state: DecodeState, key, min_active):
+            params, lo = self._select(params, trainable, slot)
             Tn = state.out_tokens.shape[1]
 
             def cond(s: DecodeState):
@@ -215,7 +221,7 @@ class Sampler:
 
     # ---- host driver ----
     def generate(self, params, prompts: Sequence[Sequence[int]], key: jax.Array, sp: SamplingParams, *,
-                 max_new_tokens: Sequence[int] | None = None, lora=None, slot: int = 0) -> SampleOutput:
+                 max_new_tokens: Sequence[int] | None = None, trainable=None, slot: int = 0) -> SampleOutput:
         """Sample one completion per prompt. `max_new_tokens` optionally limits rows individually."""
         n = len(prompts)
         if n == 0:
@@ -233,10 +239,10 @@ class Sampler:
         order = np.argsort([-len(p) for p in prompts], kind="stable")
         for start in range(0, n, self.max_batch):
             idx = order[start:start + self.max_batch]
-            self._generate_chunk(params, [prompts[i] for i in idx], idx, key, sp, limits[idx], lora, slot, out)
+            self._generate_chunk(params, [prompts[i] for i in idx], idx, key, sp, limits[idx], trainable, slot, out)
         return out
 
-    def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, lora, slot, out: SampleOutput):
+    def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out: SampleOutput):
         n = len(prompts)
         B = _batch_bucket(n, self.min_batch)
         P = _bucket(max(len(p) for p in prompts))
@@ -253,7 +259,7 @@ class Sampler:
         max_len[:n] = limits
         slot = jnp.int32(slot)
         t0 = time.perf_counter()
-        state = self._prefill_fn(sp, P + Tn, Tn)(params, lora, slot, jnp.asarray(tokens), jnp.asarray(valid),
+        state = self._prefill_fn(sp, P + Tn, Tn)(params, trainable, slot, jnp.asarray(tokens), jnp.asarray(valid),
                                                  jnp.asarray(max_len), jnp.asarray(rid), key)
         jax.block_until_ready(state.token)
         self.stats["prefill_s"] += time.perf_counter() - t0
@@ -263,7 +269,7 @@ class Sampler:
             B = state.active.shape[0]
             can_shrink = self.compaction and B > self.min_batch
             step0 = int(state.step)
-            state = decode(params, lora, slot, state, key, jnp.int32(B // 2 if can_shrink else 0))
+            state = decode(params, trainable, slot, state, key, jnp.int32(B // 2 if can_shrink else 0))
             active = np.asarray(state.active)
             step = int(state.step)
             self.stats["decode_steps"] += step - step0

@@ -1,0 +1,41 @@
+"""The bridge from a workflow's `sample(slot, prompts, max_new_tokens, stage)` to the jitted sampler."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from typing import Any, Sequence
+
+import jax
+
+from marl_jax.generate.sampler import Sampler, SamplingParams
+from marl_jax.workflows.base import Completion
+
+
+@dataclasses.dataclass
+class PolicySampler:
+    """Callable with the workflow Sampler signature, sampling from (base, trainable[slot]).
+
+    The PRNG key of a call depends on the step key and the stage name only, never on the slot:
+    Shared- and Isolated-Policy runs whose slots hold identical parameters sample identical rows.
+    """
+
+    sampler: Sampler
+    base: Any
+    trainable: Any
+    key: jax.Array
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_ids: tuple[int, ...] = ()
+    calls: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, slot: int, prompts: Sequence[Sequence[int]], max_new_tokens: int, stage: str) -> list[Completion]:
+        sp = SamplingParams(max_new_tokens=int(max_new_tokens), temperature=self.temperature, top_p=self.top_p,
+                            top_k=self.top_k, stop_ids=tuple(self.stop_ids))
+        key = jax.random.fold_in(self.key, zlib.crc32(stage.encode()) & 0x7FFFFFFF)
+        t0 = time.perf_counter()
+        out = self.sampler.generate(self.base, list(prompts), key, sp, trainable=self.trainable, slot=slot)
+        self.calls.append({"stage": stage, "slot": slot, "rows": len(prompts), "seconds": time.perf_counter() - t0,
+                           "tokens": int(out.lengths.sum()), **self.sampler.stats})
+        return [Completion(*out.row(i), finished=bool(out.finished[i])) for i in range(len(prompts))]

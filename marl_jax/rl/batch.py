@@ -1,0 +1,119 @@
+"""Host-side layout of trajectory rows into the update's fixed-shape, slot-major arrays.
+
+Each row is prompt + completion tokens, right-padded to T. Rows are grouped by slot into
+[S, R, T] (R = the largest slot's row count rounded up to a bucket, padding rows carry weight 0).
+Target-aligned arrays (targets, loss_mask, old_logp) hold at position t what predicts token t+1.
+Every row also carries a diagnostic group index: one group per (role, call index) when copy
+alignment is measured, else per role; the update measures each group's gradient exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+
+class TrainBatch(NamedTuple):
+    tokens: np.ndarray  # [S, R, T] int32
+    valid: np.ndarray  # [S, R, T] bool: real (non-padding) tokens
+    targets: np.ndarray  # [S, R, T] int32: tokens shifted left by one
+    loss_mask: np.ndarray  # [S, R, T] float32: 1 where the target is a completion token
+    old_logp: np.ndarray  # [S, R, T] float32: sampling log-prob of each target completion token
+    advantages: np.ndarray  # [S, R] float32
+    row_weight: np.ndarray  # [S, R] float32: 1 real row, 0 padding (or an untrained row)
+    group: np.ndarray  # [S, R] int32: diagnostic group, -1 on padding
+    kl_coef: np.ndarray  # [S, R] float32: per-role KL coefficient of each row
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+    """Static description of the diagnostic groups (host side)."""
+
+    names: tuple[str, ...]  # "role" or "role#call"
+    role: tuple[str, ...]  # role of each group
+    slot: tuple[int, ...]  # slot of each group
+    roles: tuple[str, ...]  # distinct roles, in workflow order
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def length_bucket(n: int) -> int:
+    """Sequence length bucket: multiples of 64 up to 512, then powers of two."""
+    if n <= 512:
+        return _round_up(n, 64)
+    return 1 << (n - 1).bit_length()
+
+
+def rows_bucket(n: int, micro_batch: int) -> int:
+    """Rows per slot: a power-of-two number of micro-batches, so few shapes ever compile."""
+    m = -(-max(n, 1) // micro_batch)
+    return micro_batch * (1 << (m - 1).bit_length())
+
+
+def make_groups(roles: Sequence[str], role_to_slot: dict[str, int], copies: dict[str, int] | None) -> GroupInfo:
+    """Groups for the gradient diagnostics; `copies[role]` > 1 splits that role by call index."""
+    names, g_role, g_slot = [], [], []
+    for r in roles:
+        k = (copies or {}).get(r, 1)
+        for c in range(k):
+            names.append(r if k == 1 else f"{r}#{c}")
+            g_role.append(r)
+            g_slot.append(role_to_slot[r])
+    return GroupInfo(tuple(names), tuple(g_role), tuple(g_slot), tuple(roles))
+
+
+def group_of(info: GroupInfo, role: str, call_index: int) -> int:
+    name = f"{role}#{call_index}"
+    if name in info.names:
+        return info.names.index(name)
+    if role in info.names:
+        return info.names.index(role)
+    # More calls than the copies declared (e.g. eval_opt turns): fold into the role's last group.
+    idx = [i for i, r in enumerate(info.role) if r == role]
+    if not idx:
+        raise KeyError(f"role {role!r} is not one of the workflow's roles {info.roles}")
+    return idx[min(call_index, len(idx) - 1)]
+
+
+def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str, int], num_slots: int,
+               groups: GroupInfo, micro_batch: int, pad_id: int = 0, max_len: int | None = None,
+               kl_coef: dict[str, float] | None = None) -> TrainBatch:
+    """Lay rows out by slot. Rows with `trained=False` keep weight 0 (they add no gradient)."""
+    if len(rows) != len(advantages):
+        raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
+    per_slot: list[list[int]] = [[] for _ in range(num_slots)]
+    for i, r in enumerate(rows):
+        per_slot[role_to_slot[r.role]].append(i)
+    lengths = [len(r.prompt_tokens) + len(r.completion_tokens) for r in rows] or [1]
+    T = length_bucket(max(lengths))
+    if max_len is not None and T > max_len:
+        raise ValueError(f"a row has {max(lengths)} tokens but update.max_seq_len is {max_len}; "
+                         "raise it or lower the sampling lengths")
+    R = rows_bucket(max(len(p) for p in per_slot), micro_batch)
+    S = num_slots
+    b = TrainBatch(
+        tokens=np.full((S, R, T), pad_id, np.int32), valid=np.zeros((S, R, T), bool),
+        targets=np.full((S, R, T), pad_id, np.int32), loss_mask=np.zeros((S, R, T), np.float32),
+        old_logp=np.zeros((S, R, T), np.float32), advantages=np.zeros((S, R), np.float32),
+        row_weight=np.zeros((S, R), np.float32), group=np.full((S, R), -1, np.int32),
+        kl_coef=np.zeros((S, R), np.float32))
+    for s, idxs in enumerate(per_slot):
+        for j, i in enumerate(idxs):
+            r = rows[i]
+            p, c = list(r.prompt_tokens), list(r.completion_tokens)
+            seq = p + c
+            n = len(seq)
+            b.tokens[s, j, :n] = seq
+            b.valid[s, j, :n] = True
+            b.targets[s, j, : n - 1] = seq[1:]
+            # Position t predicts token t+1: completion token k sits at len(p)+k, predicted at len(p)+k-1.
+            b.loss_mask[s, j, len(p) - 1: n - 1] = 1.0
+            b.old_logp[s, j, len(p) - 1: n - 1] = np.asarray(r.logprobs, np.float32)
+            b.advantages[s, j] = advantages[i]
+            b.row_weight[s, j] = 1.0 if getattr(r, "trained", True) else 0.0
+            b.group[s, j] = group_of(groups, r.role, r.call_index)
+            b.kl_coef[s, j] = (kl_coef or {}).get(r.role, 0.0)
+    return b

@@ -1,0 +1,221 @@
+"""The jitted GRPO update: per-slot loss vmapped over the slot axis, exact per-group gradients.
+
+One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
+  1. scans over micro-batches; in each, one forward pass per slot (jax.vmap over the slot axis)
+     gives every row's loss numerator, and its VJP is pulled back once per diagnostic group
+     (cotangent = that group's rows / the slot's denominator). The loss is a sum of per-row terms
+     over a denominator fixed for the whole batch, so accumulating these VJPs is exact;
+  2. sums the group gradients per slot into the slot gradient (exactly the gradient of the slot's
+     loss, so under Shared-Policy the per-role gradients add up to the full gradient by
+     construction) and measures per-role norms, projection shares, cosines and copy alignment;
+  3. clips and applies AdamW per slot (optim.per_slot), unless the loss or any gradient is not
+     finite: then the update is skipped and counted, and parameters stay as they were.
+With diagnostics off there is a single cotangent (all rows) and no group bookkeeping.
+
+Each slot's loss is normalised by its own rows, so an Isolated-Policy slot's step does not depend
+on how many rows other roles had: the reference's separate per-role updates.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from marl_jax.models import decoder
+from marl_jax.models.decoder import ModelConfig
+from marl_jax.policy.lora import PolicySpec, unstacked
+from marl_jax.rl import loss as L
+from marl_jax.rl.batch import TrainBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 3.0
+    agg: str = "seq-mean-token-mean"
+    max_len_norm: float | None = None
+    kl: bool = False  # any role has a KL coefficient (needs a reference forward pass)
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    old_logp: str = "sampler"  # "sampler" | "recompute"
+    micro_batch: int = 8
+    diagnostics: bool = True
+    metrics: bool = True  # per-role clip fraction / KL / entropy (needs token entropies)
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        if self.old_logp not in ("sampler", "recompute"):
+            raise ValueError(f"old_logp must be 'sampler' or 'recompute', got {self.old_logp!r}")
+        if self.agg not in L.AGG_MODES:
+            raise ValueError(f"agg must be one of {L.AGG_MODES}, got {self.agg!r}")
+        if self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+
+
+class TrainState(NamedTuple):
+    trainable: Any  # slot-stacked
+    opt_state: Any
+    step: jax.Array
+    skipped: jax.Array  # updates skipped for non-finite loss / gradients
+
+
+def _tree_dot(a, b):
+    return sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32)).real
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows):
+    """Per-row loss numerators for one slot's micro-batch; aux = token log-probs (+ ref, entropy)."""
+    params, lora = unstacked(spec, base, one_slot)
+    logits = decoder.forward(params, cfg, rows["tokens"], rows["valid"], lora=lora, lora_scale=spec.scale,
+                             dtype=ucfg.dtype)
+    logp = L.token_logprobs(logits, rows["targets"])
+    entropy = None
+    if ucfg.entropy_coef != 0.0:
+        entropy = L.token_entropy(logits)
+    elif ucfg.metrics:
+        entropy = jax.lax.stop_gradient(L.token_entropy(logits))
+    ref = None
+    if ucfg.kl:  # the frozen base model is the reference (LoRA off / the initial full weights)
+        ref_logits = decoder.forward(base, cfg, rows["tokens"], rows["valid"], dtype=ucfg.dtype)
+        ref = jax.lax.stop_gradient(L.token_logprobs(ref_logits, rows["targets"]))
+    old = jax.lax.stop_gradient(logp) if ucfg.old_logp == "recompute" else rows["old_logp"]
+
+    def one_row(lp, ol, adv, m, ent, rf, kc):
+        num, _ = L.policy_loss_terms(
+            lp[None], ol[None], adv[None], m[None], clip_low=ucfg.clip_low, clip_high=ucfg.clip_high,
+            dual_clip=ucfg.dual_clip, agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or lp.shape[-1],
+            ref_logp=None if rf is None else rf[None], kl_coef=kc if ucfg.kl else 0.0,
+            kl_estimator=ucfg.kl_estimator, entropy=None if ent is None else ent[None],
+            entropy_coef=ucfg.entropy_coef)
+        return num
+
+    nums = jax.vmap(one_row, in_axes=(0, 0, 0, 0, None if entropy is None else 0, None if ref is None else 0, 0))(
+        logp, old, rows["advantages"], rows["loss_mask"], entropy, ref, rows["kl_coef"])
+    aux = {"logp": jax.lax.stop_gradient(logp), "old": old}
+    if entropy is not None:
+        aux["entropy"] = jax.lax.stop_gradient(entropy)
+    if ref is not None:
+        aux["ref"] = ref
+    return nums, aux
+
+
+def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: optax.GradientTransformation,
+                    *, num_groups: int, group_slot, group_role, num_roles: int, role_slot):
+    """Build the jitted step. Group/role tables are static per workflow (host tuples).
+
+    group_slot[g], group_role[g]: slot and role index of diagnostic group g; role_slot[k]: slot of role k.
+    Returns step(state, base, batch) -> (state, metrics).
+    """
+    G, K = num_groups, num_roles
+    g_slot = jnp.asarray(group_slot, jnp.int32)
+    g_role = jnp.asarray(group_role, jnp.int32)
+    k_slot = jnp.asarray(role_slot, jnp.int32)
+
+    def step(state: TrainState, base, batch: TrainBatch):
+        S, R, T = batch.tokens.shape
+        mb = min(ucfg.micro_batch, R)
+        M = R // mb
+        den = jax.vmap(lambda m, w: L.policy_loss_denominator(m, agg=ucfg.agg, row_weight=w))(
+            batch.loss_mask, batch.row_weight)  # [S]
+        den = jnp.maximum(den, 1.0)
+        rows = {"tokens": batch.tokens, "valid": batch.valid, "targets": batch.targets, "loss_mask": batch.loss_mask,
+                "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
+        # [S, R, ...] -> [M, S, mb, ...]
+        split = lambda x: jnp.moveaxis(x.reshape((S, M, mb) + x.shape[2:]), 1, 0)
+        mrows = jax.tree_util.tree_map(split, rows)
+        mweight, mgroup = split(batch.row_weight), split(batch.group)
+        zeros_slot = jax.tree_util.tree_map(jnp.zeros_like, state.trainable)
+        one_slot_zero = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[1:], x.dtype), state.trainable)
+
+        def fwd(trainable, r):
+            return jax.vmap(lambda tr, rr: _row_terms(cfg, spec, ucfg, base, tr, rr))(trainable, r)
+
+        def role_stats(aux, r, w, grp):
+            """Additive loss stats per role for this micro-batch: dict of [K]."""
+            def for_role(k):
+                in_role = (jnp.take(g_role, jnp.maximum(grp, 0)) == k) & (grp >= 0)
+                rw = w * in_role
+                st = jax.vmap(lambda lp, ol, adv, m, wt, ent, rf: L.policy_loss_stats(
+                    lp, ol, adv, m, clip_low=ucfg.clip_low, clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip,
+                    agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or T, ref_logp=rf, kl_estimator=ucfg.kl_estimator,
+                    entropy=ent, row_weight=wt),
+                    in_axes=(0, 0, 0, 0, 0, 0 if "entropy" in aux else None, 0 if "ref" in aux else None))(
+                    aux["logp"], aux["old"], r["advantages"], r["loss_mask"], rw, aux.get("entropy"), aux.get("ref"))
+                st = {k2: (v.max(0) if k2.endswith("_max") else v.sum(0)) for k2, v in st.items()}
+                st["rows"] = jnp.sum(rw)
+                st["resp_tokens"] = jnp.sum(r["loss_mask"] * rw[..., None])
+                return st
+            return jax.vmap(for_role)(jnp.arange(K))
+
+        def body(carry, xs):
+            acc, num_total = carry
+            r, w, grp = xs
+            nums, vjp, aux = jax.vjp(lambda tr: fwd(tr, r), state.trainable, has_aux=True)
+            num_total = num_total + jnp.sum(nums * w, axis=1)
+            if ucfg.diagnostics:
+                def group_grad(g):
+                    cot = jnp.where(grp == g, w, 0.0) / den[:, None]
+                    (gr,) = vjp(cot.astype(nums.dtype))
+                    return jax.tree_util.tree_map(lambda x: x[g_slot[g]], gr)  # only its slot is nonzero
+                gg = jax.lax.map(group_grad, jnp.arange(G))
+                acc = jax.tree_util.tree_map(jnp.add, acc, gg)
+            else:
+                (gr,) = vjp((w / den[:, None]).astype(nums.dtype))
+                acc = jax.tree_util.tree_map(jnp.add, acc, gr)
+            return (acc, num_total), (role_stats(aux, r, w, grp) if ucfg.metrics else None)
+
+        acc0 = (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
+                if ucfg.diagnostics else zeros_slot)
+        (acc, num_total), mstats = jax.lax.scan(body, (acc0, jnp.zeros((S,), jnp.float32)),
+                                                (mrows, mweight, mgroup))
+        loss_per_slot = num_total / den
+        metrics = {"loss": jnp.sum(loss_per_slot), "loss_per_slot": loss_per_slot}
+
+        if ucfg.diagnostics:
+            grads = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_slot, num_segments=S), acc)
+            role_g = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_role, num_segments=K), acc)
+            slot_of_role = jax.tree_util.tree_map(lambda x: x[k_slot], grads)  # [K, ...] slot grad of each role
+            gram = jax.vmap(lambda a: jax.vmap(lambda b: _tree_dot(a, b))(
+                role_g))(role_g)  # [K, K]
+            role_norm = jnp.sqrt(jnp.maximum(jnp.diag(gram), 0.0))
+            slot_dot = jax.vmap(_tree_dot)(role_g, slot_of_role)  # <g_k, g_slot(k)>
+            slot_sq = jax.vmap(lambda a: _tree_dot(a, a))(slot_of_role)
+            same_slot = k_slot[:, None] == k_slot[None, :]
+            norm_sum = jnp.sum(jnp.where(same_slot, role_norm[None, :], 0.0), axis=1)
+            group_sq = jax.vmap(lambda a: _tree_dot(a, a))(acc)  # [G]
+            copies_sq = jax.ops.segment_sum(group_sq, g_role, num_segments=K)
+            metrics.update(
+                role_grad_norm=role_norm,
+                role_grad_share=slot_dot / jnp.maximum(slot_sq, 1e-30),
+                role_grad_norm_share=role_norm / jnp.maximum(norm_sum, 1e-30),
+                role_grad_cos=gram / jnp.maximum(role_norm[:, None] * role_norm[None, :], 1e-30),
+                role_copy_alignment=role_norm / jnp.sqrt(jnp.maximum(copies_sq, 1e-30)),
+                group_grad_norm=jnp.sqrt(jnp.maximum(group_sq, 0.0)),
+            )
+        else:
+            grads = acc
+        from marl_jax.rl.optim import global_norm_per_slot
+        metrics["slot_grad_norm"] = global_norm_per_slot(grads)
+        if ucfg.metrics:  # combine micro-batches: sums add, maxima take the max
+            metrics["role_stats"] = {k: (v.max(0) if k.endswith("_max") else v.sum(0)) for k, v in mstats.items()}
+
+        finite = jnp.isfinite(metrics["loss"]) & jnp.all(jnp.isfinite(metrics["slot_grad_norm"]))
+        safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, 0.0), grads)
+        updates, new_opt = tx.update(safe_grads, state.opt_state, state.trainable)
+        new_tr = optax.apply_updates(state.trainable, updates)
+        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_state = TrainState(keep(new_tr, state.trainable), keep(new_opt, state.opt_state),
+                               state.step + 1, state.skipped + (~finite).astype(jnp.int32))
+        metrics["finite"] = finite
+        return new_state, metrics
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def init_state(trainable, tx) -> TrainState:
+    return TrainState(trainable, tx.init(trainable), jnp.int32(0), jnp.int32(0))
