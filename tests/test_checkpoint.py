@@ -268,3 +268,43 @@ def test_save_input_errors(tmp_path):
         ck.save(5, {"x": "a string"})
     with pytest.raises(ValueError, match="keep"):
         Checkpointer(tmp_path, keep=0)
+
+
+def test_read_only_reader_leaves_an_inflight_save_alone(tmp_path):
+    ck = Checkpointer(tmp_path)
+    ck.save(1, {"x": np.ones(2)})
+    ck.wait()
+    inflight = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1700000000"
+    (inflight / "state").mkdir(parents=True)
+    reader = Checkpointer(tmp_path, read_only=True)
+    assert reader.latest_step() == 1
+    state, _ = reader.restore()
+    np.testing.assert_array_equal(np.asarray(state["x"]), np.ones(2))
+    assert inflight.exists()
+    with pytest.raises(PermissionError, match="read_only"):
+        reader.save(3, {"x": np.ones(2)})
+
+
+def test_sharded_arrays_restore_into_a_new_sharding(tmp_path):
+    # 8 fake CPU devices need a fresh process (the device count is fixed at JAX start-up).
+    code = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from marl_jax.train.checkpoint import Checkpointer
+        assert jax.device_count() == 8
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        x = jax.device_put(jnp.arange(64, dtype=jnp.bfloat16).reshape(8, 8) / 7,
+                           NamedSharding(mesh, P("data", "model")))
+        ck = Checkpointer({str(tmp_path)!r})
+        ck.save(1, {{"w": x}})
+        target = NamedSharding(mesh, P("model", None))
+        r, _ = ck.restore(1, template={{"w": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16, sharding=target)}})
+        assert r["w"].sharding == target, r["w"].sharding
+        assert r["w"].dtype == jnp.bfloat16
+        assert np.asarray(r["w"]).tobytes() == np.asarray(x).tobytes()
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

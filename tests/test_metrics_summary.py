@@ -29,6 +29,12 @@ def _masked_crc(data: bytes) -> int:
 
 
 def _read_events(logdir: str) -> list[tuple[str, int, float]]:
+    """(tag, step, scalar) of every summary value in the event files."""
+    return [(v.tag, ev.step, v.simple_value) for ev in _read_raw_events(logdir) for v in ev.summary.value]
+
+
+def _read_raw_events(logdir: str) -> list:
+    """Every Event of the TFRecord-framed event files, CRCs checked."""
     from tensorboardX.proto import event_pb2
     out = []
     for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
@@ -43,8 +49,7 @@ def _read_events(logdir: str) -> list[tuple[str, int, float]]:
             i += 16 + n
             ev = event_pb2.Event()
             ev.ParseFromString(body)
-            for v in ev.summary.value:
-                out.append((v.tag, ev.step, v.simple_value))
+            out.append(ev)
     return out
 
 
@@ -139,8 +144,11 @@ def test_truncate_after_and_resume_equals_uninterrupted(tmp_path):
     assert dropped == sum(len(_run_records(s)) for s in range(13, 21))
     assert kept == [r for s in range(13) for r in _run_records(s)]
     assert truncate_after(tmp_path / "nothing", 3) == 0
-    # a resumed TensorBoard writer hides the old events after the resume step
-    assert glob.glob(str(resumed / "tb" / "events.out.tfevents.*"))
+    # a resumed TensorBoard writer tells TensorBoard to hide old events from step 11 on (SessionLog START)
+    from tensorboardX.proto import event_pb2
+    starts = [ev.step for ev in _read_raw_events(str(resumed / "tb"))
+              if ev.HasField("session_log") and ev.session_log.status == event_pb2.SessionLog.START]
+    assert starts == [11]
 
 
 def test_torn_last_line(tmp_path):

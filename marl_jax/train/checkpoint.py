@@ -122,10 +122,15 @@ class Checkpointer:
       keep_best: also keep the checkpoint with the highest ``best_metric``, even when older than the
         last ``keep``.
       async_save: write in a background thread (``wait()`` joins it).
+      read_only: for readers of a run that may still be training (evaluation, reports): never saves
+        and never cleans up, so a save in flight in the training process is left alone.
+
+    One writer per workdir: a writable Checkpointer removes leftovers of interrupted saves when it
+    opens the directory.
     """
 
     def __init__(self, workdir: str | os.PathLike, keep: int = 3, keep_best: bool = True,
-                 async_save: bool = True):
+                 async_save: bool = True, read_only: bool = False):
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.workdir = os.fspath(workdir)
@@ -133,6 +138,7 @@ class Checkpointer:
         self.keep = int(keep)
         self.keep_best = bool(keep_best)
         self._async = bool(async_save)
+        self.read_only = bool(read_only)
         self._mgr: ocp.CheckpointManager | None = None
         if os.path.isdir(self.directory):
             self._open()
@@ -140,7 +146,8 @@ class Checkpointer:
     # -- manager ---------------------------------------------------------------------------------
     def _open(self) -> ocp.CheckpointManager:
         if self._mgr is None:
-            self._drop_uncommitted()
+            if not self.read_only:
+                self._drop_uncommitted()
             policies: list[Any] = [_pp.LatestN(n=self.keep)]
             if self.keep_best:
                 policies.append(_pp.BestN(get_metric_fn=lambda m: m[_BEST_KEY], reverse=False, n=1,
@@ -148,9 +155,10 @@ class Checkpointer:
             options = ocp.CheckpointManagerOptions(
                 best_fn=lambda m: m[_BEST_KEY], best_mode="max",
                 preservation_policy=_pp.AnyPreservationPolicy(policies),
-                cleanup_tmp_directories=True,  # drop leftovers of interrupted saves on open
+                cleanup_tmp_directories=not self.read_only,  # drop leftovers of interrupted saves on open
                 enable_async_checkpointing=self._async,
-                create=True,
+                create=not self.read_only,
+                read_only=self.read_only,
             )
             self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         return self._mgr
@@ -189,6 +197,9 @@ class Checkpointer:
         ``best_metric`` (e.g. validation success) ranks checkpoints for ``best_step``; None means this
         checkpoint takes no part in the ranking. ``state`` is not modified. Steps must increase.
         """
+        if self.read_only:
+            raise PermissionError(f"this Checkpointer of {self.directory!r} is read_only; open it with "
+                                  "read_only=False to save")
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
