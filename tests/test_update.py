@@ -79,11 +79,11 @@ def _ref_grad(base, spec, tr, slot, rows, advs, weight_rows=None):
 
 
 def _step(base, spec, tr, rows, advs, role_to_slot, roles, copies=None, micro_batch=4, diagnostics=True,
-          old_logp="sampler"):
+          old_logp="sampler", keep_zero=False):
     S = spec.num_slots
     groups = make_groups(roles, role_to_slot, copies)
     batch = make_batch(rows, np.asarray(advs, np.float32), role_to_slot=role_to_slot, num_slots=S, groups=groups,
-                       micro_batch=micro_batch)
+                       micro_batch=micro_batch, keep_zero_advantage=keep_zero)
     tx = optim.per_slot(optax.sgd(LR))
     ucfg = UpdateConfig(micro_batch=micro_batch, diagnostics=diagnostics, old_logp=old_logp)
     step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
@@ -185,3 +185,17 @@ def test_padding_and_untrained_rows_add_no_gradient():
     g2, _, _ = _step(base, spec, tr, rows + extra, advs + [3.0, -3.0], {"gen": 0}, ["gen"], micro_batch=8)
     # Untrained rows count neither in the gradient nor in the mean's denominator.
     _assert_tree_close(g, g2)
+
+
+def test_leaving_out_zero_advantage_rows_is_exact():
+    rng = np.random.RandomState(7)
+    base, spec, tr = _setup(2)
+    rows = _rows(rng, [("gen", 6, 1), ("judge", 4, 1)])
+    advs = [0.0 if i % 2 else float(a) for i, a in enumerate(rng.randn(len(rows)))]
+    pruned, _, _ = _step(base, spec, tr, rows, advs, {"gen": 0, "judge": 1}, ["gen", "judge"])
+    kept, _, _ = _step(base, spec, tr, rows, advs, {"gen": 0, "judge": 1}, ["gen", "judge"], keep_zero=True)
+    _assert_tree_close(pruned, kept)
+    for slot, role in enumerate(["gen", "judge"]):
+        idx = [i for i, r in enumerate(rows) if r.role == role]
+        ref = _ref_grad(base, spec, tr, slot, [rows[i] for i in idx], [advs[i] for i in idx])
+        _assert_tree_close(jax.tree_util.tree_map(lambda x: x[slot], pruned), ref)

@@ -27,6 +27,10 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
+    from marl_jax.jax_setup import enable_compilation_cache
+
+    enable_compilation_cache()
+
     from marl_jax.generate.sampler import Sampler, SamplingParams
     from marl_jax.models.loading import load_model
 

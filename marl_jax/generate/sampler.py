@@ -1,7 +1,6 @@
 """Batched sampling: a jitted prefill, then a jitted `lax.while_loop` decode over a fixed KV cache.
 
-Shapes are bucketed (batch to powers of two, prompt and new-token lengths to multiples of 16 rounded
-to powers of two) so a run compiles a handful of programs whatever its inputs. Rows that stop early
+Shapes are bucketed (batch to powers of two, prompt and new-token lengths to 16 * {1, 1.5} * 2^k) so a run compiles a handful of programs whatever its inputs. Rows that stop early
 do not hold the batch hostage: once at most half the rows are still going, the loop exits, the host
 gathers the live rows into the next smaller batch bucket (`compaction`) and decoding continues there.
 
@@ -68,11 +67,15 @@ class DecodeState(NamedTuple):
     max_len: jax.Array  # [B] per-row new-token limit
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
-    """Multiples of 16 up to 256 (prompt lengths vary a lot there), then powers of two."""
-    if n <= 256:
-        return max(minimum, -(-n // 16) * 16)
-    return 1 << (n - 1).bit_length()
+def length_bucket(n: int, minimum: int = 16) -> int:
+    """Length bucket minimum * {1, 1.5} * 2^k: padding stays under half and only a few shapes compile."""
+    b = minimum
+    while True:
+        if n <= b:
+            return b
+        if n <= b * 3 // 2:
+            return b * 3 // 2
+        b *= 2
 
 
 def _batch_bucket(n: int, multiple: int) -> int:
@@ -153,15 +156,20 @@ class Sampler:
             return self._fns[key_]
         cfg = self.cfg
 
-        def prefill(params, trainable, slot, tokens, valid, max_len, row_id, key):
-            B, P = tokens.shape
-            cache = decoder.init_cache(cfg, B, cache_len, self.dtype)
+        def prefill(params, trainable, slot, tokens, valid, expand, max_len, row_id, key):
+            """Prefill the distinct prompts, then copy each row's prompt cache (`expand` [B] indexes them)."""
+            Bu, P = tokens.shape
+            cache = decoder.init_cache(cfg, Bu, cache_len, self.dtype)
             positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
             params, lo = self._select(params, trainable, slot)
             logits, cache = decoder.forward_cached(params, cfg, tokens, positions, cache, jnp.int32(0), valid,
                                                    lora=lo, lora_scale=self.lora_scale, dtype=self.dtype,
                                                    last_only=True)
-            tok, lp = sample_tokens(logits[:, -1], _row_keys(key, row_id, 0), sp)
+            take = lambda x, axis=0: jnp.take(x, expand, axis=axis)
+            cache = KVCache(take(cache.k, 1), take(cache.v, 1), take(cache.valid))
+            logits, positions = take(logits[:, -1]), take(positions)
+            B = expand.shape[0]
+            tok, lp = sample_tokens(logits, _row_keys(key, row_id, 0), sp)
             active = (row_id >= 0) & ~jnp.isin(tok, jnp.asarray(sp.stop_ids or (-1,), jnp.int32)) & (max_len > 1)
             out_tokens = jnp.full((B, out_len), self.pad_id, jnp.int32).at[:, 0].set(tok)
             out_logp = jnp.zeros((B, out_len), jnp.float32).at[:, 0].set(lp)
@@ -234,7 +242,7 @@ class Sampler:
         out = SampleOutput(np.full((n, sp.max_new_tokens), self.pad_id, np.int32),
                            np.zeros((n, sp.max_new_tokens), np.float32), np.zeros(n, np.int32), np.zeros(n, bool))
         self._stops, self._limits = tuple(sp.stop_ids), limits
-        self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0}
+        self.stats = {"prefill_rows": 0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0}
         # Longest prompts first, so each chunk's prompt bucket is tight.
         order = np.argsort([-len(p) for p in prompts], kind="stable")
         for start in range(0, n, self.max_batch):
@@ -245,14 +253,20 @@ class Sampler:
     def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out: SampleOutput):
         n = len(prompts)
         B = _batch_bucket(n, self.min_batch)
-        P = _bucket(max(len(p) for p in prompts))
-        Tn = _bucket(sp.max_new_tokens)
-        tokens = np.full((B, P), self.pad_id, np.int32)
-        valid = np.zeros((B, P), bool)
+        P = length_bucket(max(len(p) for p in prompts))
+        Tn = length_bucket(sp.max_new_tokens)
+        # Identical prompts (the G episodes of a task, parallel voters) are prefilled once.
+        uniq: dict[tuple, int] = {}
+        expand = np.zeros(B, np.int32)
         for i, p in enumerate(prompts):
-            tokens[i, P - len(p):] = p
-            valid[i, P - len(p):] = True
-        valid[n:, -1] = True  # filler rows: one dummy token so their softmax is well defined
+            expand[i] = uniq.setdefault(tuple(p), len(uniq))
+        Bu = _batch_bucket(len(uniq), 1)
+        tokens = np.full((Bu, P), self.pad_id, np.int32)
+        valid = np.zeros((Bu, P), bool)
+        for p, u in uniq.items():
+            tokens[u, P - len(p):] = p
+            valid[u, P - len(p):] = True
+        valid[len(uniq):, -1] = True  # filler rows: one dummy token so their softmax is well defined
         rid = np.full(B, -1, np.int32)
         rid[:n] = row_ids
         max_len = np.zeros(B, np.int32)
@@ -260,9 +274,10 @@ class Sampler:
         slot = jnp.int32(slot)
         t0 = time.perf_counter()
         state = self._prefill_fn(sp, P + Tn, Tn)(params, trainable, slot, jnp.asarray(tokens), jnp.asarray(valid),
-                                                 jnp.asarray(max_len), jnp.asarray(rid), key)
+                                                 jnp.asarray(expand), jnp.asarray(max_len), jnp.asarray(rid), key)
         jax.block_until_ready(state.token)
         self.stats["prefill_s"] += time.perf_counter() - t0
+        self.stats["prefill_rows"] += len(uniq)
         decode = self._decode_fn(sp, P)
         t0 = time.perf_counter()
         while True:

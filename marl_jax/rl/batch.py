@@ -2,7 +2,14 @@
 
 Each row is prompt + completion tokens, right-padded to T. Rows are grouped by slot into
 [S, R, T] (R = the largest slot's row count rounded up to a bucket, padding rows carry weight 0).
-Target-aligned arrays (targets, loss_mask, old_logp) hold at position t what predicts token t+1.
+The loss only needs the positions that predict completion tokens, so target-aligned arrays
+(targets, loss_mask, old_logp) cover a window of W positions starting at each row's `win_start`
+(= prompt length - 1): the LM head then runs on W positions, not on the whole (long) prompt.
+
+Rows whose advantage is zero add exactly nothing to the policy-gradient numerator, so when no KL or
+entropy term is active they are left out of the arrays; the per-slot denominator `den` is still
+counted over every trained row, so the loss and its gradient are unchanged.
+
 Every row also carries a diagnostic group index: one group per (role, call index) when copy
 alignment is measured, else per role; the update measures each group's gradient exactly.
 """
@@ -13,17 +20,21 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from marl_jax.generate.sampler import length_bucket
+
 
 class TrainBatch(NamedTuple):
     tokens: np.ndarray  # [S, R, T] int32
     valid: np.ndarray  # [S, R, T] bool: real (non-padding) tokens
-    targets: np.ndarray  # [S, R, T] int32: tokens shifted left by one
-    loss_mask: np.ndarray  # [S, R, T] float32: 1 where the target is a completion token
-    old_logp: np.ndarray  # [S, R, T] float32: sampling log-prob of each target completion token
+    win_start: np.ndarray  # [S, R] int32: position predicting the first completion token
+    targets: np.ndarray  # [S, R, W] int32: completion tokens
+    loss_mask: np.ndarray  # [S, R, W] float32: 1 on real completion tokens
+    old_logp: np.ndarray  # [S, R, W] float32: their sampling log-probs
     advantages: np.ndarray  # [S, R] float32
     row_weight: np.ndarray  # [S, R] float32: 1 real row, 0 padding (or an untrained row)
     group: np.ndarray  # [S, R] int32: diagnostic group, -1 on padding
     kl_coef: np.ndarray  # [S, R] float32: per-role KL coefficient of each row
+    den: np.ndarray  # [S] float32: the loss denominator of each slot, over all its trained rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +49,6 @@ class GroupInfo:
 
 def _round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
-
-
-def length_bucket(n: int) -> int:
-    """Sequence length bucket: multiples of 64 up to 512, then powers of two."""
-    if n <= 512:
-        return _round_up(n, 64)
-    return 1 << (n - 1).bit_length()
 
 
 def rows_bucket(n: int, micro_batch: int) -> int:
@@ -78,17 +82,42 @@ def group_of(info: GroupInfo, role: str, call_index: int) -> int:
     return idx[min(call_index, len(idx) - 1)]
 
 
+def slot_denominators(rows: Sequence, role_to_slot: dict[str, int], num_slots: int, agg: str) -> np.ndarray:
+    """Per-slot loss denominators over trained rows (same definitions as rl.loss.policy_loss_denominator)."""
+    den = np.zeros(num_slots, np.float32)
+    for r in rows:
+        if not getattr(r, "trained", True):
+            continue
+        n = len(r.completion_tokens)
+        s = role_to_slot[r.role]
+        if agg == "token-mean":
+            den[s] += n
+        elif agg == "seq-mean-token-mean":
+            den[s] += 1.0 if n > 0 else 0.0
+        else:
+            den[s] += 1.0
+    return den
+
+
 def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str, int], num_slots: int,
                groups: GroupInfo, micro_batch: int, pad_id: int = 0, max_len: int | None = None,
-               kl_coef: dict[str, float] | None = None) -> TrainBatch:
-    """Lay rows out by slot. Rows with `trained=False` keep weight 0 (they add no gradient)."""
+               kl_coef: dict[str, float] | None = None, agg: str = "seq-mean-token-mean",
+               keep_zero_advantage: bool = False) -> TrainBatch:
+    """Lay rows out by slot. Rows with `trained=False` count nowhere (no gradient, not in `den`).
+
+    keep_zero_advantage: keep rows whose advantage is 0 (needed when a KL or entropy term is on).
+    """
     if len(rows) != len(advantages):
         raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
+    den = slot_denominators(rows, role_to_slot, num_slots, agg)
     per_slot: list[list[int]] = [[] for _ in range(num_slots)]
     for i, r in enumerate(rows):
-        per_slot[role_to_slot[r.role]].append(i)
-    lengths = [len(r.prompt_tokens) + len(r.completion_tokens) for r in rows] or [1]
-    T = length_bucket(max(lengths))
+        if getattr(r, "trained", True) and (keep_zero_advantage or advantages[i] != 0) and r.completion_tokens:
+            per_slot[role_to_slot[r.role]].append(i)
+    kept = [rows[i] for p in per_slot for i in p]
+    lengths = [len(r.prompt_tokens) + len(r.completion_tokens) for r in kept] or [1]
+    T = length_bucket(max(lengths), minimum=64)
+    W = length_bucket(max([len(r.completion_tokens) for r in kept] or [1]), minimum=16)
     if max_len is not None and T > max_len:
         raise ValueError(f"a row has {max(lengths)} tokens but update.max_seq_len is {max_len}; "
                          "raise it or lower the sampling lengths")
@@ -96,10 +125,11 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
     S = num_slots
     b = TrainBatch(
         tokens=np.full((S, R, T), pad_id, np.int32), valid=np.zeros((S, R, T), bool),
-        targets=np.full((S, R, T), pad_id, np.int32), loss_mask=np.zeros((S, R, T), np.float32),
-        old_logp=np.zeros((S, R, T), np.float32), advantages=np.zeros((S, R), np.float32),
+        win_start=np.zeros((S, R), np.int32),
+        targets=np.full((S, R, W), pad_id, np.int32), loss_mask=np.zeros((S, R, W), np.float32),
+        old_logp=np.zeros((S, R, W), np.float32), advantages=np.zeros((S, R), np.float32),
         row_weight=np.zeros((S, R), np.float32), group=np.full((S, R), -1, np.int32),
-        kl_coef=np.zeros((S, R), np.float32))
+        kl_coef=np.zeros((S, R), np.float32), den=den)
     for s, idxs in enumerate(per_slot):
         for j, i in enumerate(idxs):
             r = rows[i]
@@ -108,12 +138,13 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
             n = len(seq)
             b.tokens[s, j, :n] = seq
             b.valid[s, j, :n] = True
-            b.targets[s, j, : n - 1] = seq[1:]
             # Position t predicts token t+1: completion token k sits at len(p)+k, predicted at len(p)+k-1.
-            b.loss_mask[s, j, len(p) - 1: n - 1] = 1.0
-            b.old_logp[s, j, len(p) - 1: n - 1] = np.asarray(r.logprobs, np.float32)
+            b.win_start[s, j] = len(p) - 1
+            b.targets[s, j, : len(c)] = c
+            b.loss_mask[s, j, : len(c)] = 1.0
+            b.old_logp[s, j, : len(c)] = np.asarray(r.logprobs, np.float32)
             b.advantages[s, j] = advantages[i]
-            b.row_weight[s, j] = 1.0 if getattr(r, "trained", True) else 0.0
+            b.row_weight[s, j] = 1.0
             b.group[s, j] = group_of(groups, r.role, r.call_index)
             b.kl_coef[s, j] = (kl_coef or {}).get(r.role, 0.0)
     return b

@@ -71,8 +71,16 @@ def _tree_dot(a, b):
 def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows):
     """Per-row loss numerators for one slot's micro-batch; aux = token log-probs (+ ref, entropy)."""
     params, lora = unstacked(spec, base, one_slot)
-    logits = decoder.forward(params, cfg, rows["tokens"], rows["valid"], lora=lora, lora_scale=spec.scale,
-                             dtype=ucfg.dtype)
+    W = rows["targets"].shape[-1]
+    idx = jnp.minimum(rows["win_start"][:, None] + jnp.arange(W), rows["tokens"].shape[1] - 1)
+
+    def window_logits(p, lo):
+        h = decoder.forward(p, cfg, rows["tokens"], rows["valid"], lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype,
+                            return_hidden=True)
+        h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
+        return decoder.unembed(p, cfg, h)
+
+    logits = window_logits(params, lora)
     logp = L.token_logprobs(logits, rows["targets"])
     entropy = None
     if ucfg.entropy_coef != 0.0:
@@ -81,8 +89,7 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
         entropy = jax.lax.stop_gradient(L.token_entropy(logits))
     ref = None
     if ucfg.kl:  # the frozen base model is the reference (LoRA off / the initial full weights)
-        ref_logits = decoder.forward(base, cfg, rows["tokens"], rows["valid"], dtype=ucfg.dtype)
-        ref = jax.lax.stop_gradient(L.token_logprobs(ref_logits, rows["targets"]))
+        ref = jax.lax.stop_gradient(L.token_logprobs(window_logits(base, None), rows["targets"]))
     old = jax.lax.stop_gradient(logp) if ucfg.old_logp == "recompute" else rows["old_logp"]
 
     def one_row(lp, ol, adv, m, ent, rf, kc):
@@ -120,12 +127,12 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         S, R, T = batch.tokens.shape
         mb = min(ucfg.micro_batch, R)
         M = R // mb
-        den = jax.vmap(lambda m, w: L.policy_loss_denominator(m, agg=ucfg.agg, row_weight=w))(
-            batch.loss_mask, batch.row_weight)  # [S]
-        den = jnp.maximum(den, 1.0)
-        rows = {"tokens": batch.tokens, "valid": batch.valid, "targets": batch.targets, "loss_mask": batch.loss_mask,
+        den = jnp.maximum(batch.den, 1.0)  # [S], counted on the host over every trained row
+        rows = {"tokens": batch.tokens, "valid": batch.valid, "win_start": batch.win_start,
+                "targets": batch.targets, "loss_mask": batch.loss_mask,
                 "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
         # [S, R, ...] -> [M, S, mb, ...]
+        W = batch.targets.shape[2]
         split = lambda x: jnp.moveaxis(x.reshape((S, M, mb) + x.shape[2:]), 1, 0)
         mrows = jax.tree_util.tree_map(split, rows)
         mweight, mgroup = split(batch.row_weight), split(batch.group)
@@ -142,7 +149,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 rw = w * in_role
                 st = jax.vmap(lambda lp, ol, adv, m, wt, ent, rf: L.policy_loss_stats(
                     lp, ol, adv, m, clip_low=ucfg.clip_low, clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip,
-                    agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or T, ref_logp=rf, kl_estimator=ucfg.kl_estimator,
+                    agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or W, ref_logp=rf, kl_estimator=ucfg.kl_estimator,
                     entropy=ent, row_weight=wt),
                     in_axes=(0, 0, 0, 0, 0, 0 if "entropy" in aux else None, 0 if "ref" in aux else None))(
                     aux["logp"], aux["old"], r["advantages"], r["loss_mask"], rw, aux.get("entropy"), aux.get("ref"))

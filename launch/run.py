@@ -1,0 +1,62 @@
+"""Train a multi-agent workflow with GRPO.
+
+    python launch/run.py --config=configs/orch_workers.py [--config.policy=isolated] [--workdir=runs/x]
+    python launch/run.py --config=configs/voting.py:qwen3-1.7b,math --config.model.name=/ckpts/Qwen3-1.7B
+
+Any config key can be overridden with --config.<key>=<value>; unknown keys and bad values stop the
+run with a message naming the fix. Re-running with the same --workdir resumes from its last
+checkpoint. On several hosts, set --multihost (or the usual JAX coordinator environment).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "configs/<workflow>.py[:<model>,<task>]", lock_config=True)
+flags.DEFINE_string("workdir", None, "Run folder (metrics, checkpoints, summary). Default: runs/<workflow>-<policy>.")
+flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() (multi-host TPU/GPU).")
+flags.DEFINE_bool("progress", True, "Show a progress bar.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    import jax
+
+    if FLAGS.multihost or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()
+    logging.set_verbosity(logging.WARNING)
+    from marl_jax.config import validate
+    from marl_jax.jax_setup import enable_compilation_cache
+
+    enable_compilation_cache()
+    from marl_jax.train.loop import train
+
+    config = FLAGS.config
+    try:
+        validate(config)
+    except ValueError as e:
+        raise app.UsageError(str(e))
+    workdir = FLAGS.workdir or os.path.join("runs", f"{config.workflow}-{config.policy}")
+    print(f"workflow={config.workflow} policy={config.policy} model={config.model.name} "
+          f"task={config.task.kind}/{config.task.source} steps={config.train.steps} workdir={workdir}")
+    out = train(config, workdir, progress=FLAGS.progress)
+    if jax.process_index() == 0:
+        print()
+        print(out["table"])
+        cliff = out["cliff"]
+        if cliff is not None:
+            print(f"\nterminal cliff: {'detected at step ' + str(cliff.step) if cliff.detected else 'none'} "
+                  f"(peak {cliff.peak_value:.3f} at step {cliff.peak_step}, final {cliff.final_value:.3f})")
+        print(f"\nsummary, plots and metrics: {workdir}/summary.md, {workdir}/*.png, {workdir}/metrics.jsonl")
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main)

@@ -1,0 +1,178 @@
+"""Config schema, defaults and presets shared by every `configs/<workflow>.py:get_config(arg)`.
+
+arg is "" (the embedded offline CPU run) or "<model>,<task>", e.g. "qwen3-1.7b,math". Model presets
+point at local Hugging Face folders (no hub here: set --config.model.name=/path/to/Qwen3-1.7B);
+task "math" / "code" carry the reference's hyperparameters.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+# Reference hyperparameters (see docs): 64 tasks x 8 episodes, T=0.7, LoRA r64/a32, AdamW 2e-5.
+MODELS = {
+    "smollm2-135m": "smollm2-135m-instruct",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+    "qwen3-4b": "Qwen/Qwen3-4B",
+}
+TASKS = ("math", "code", "cpu")
+
+
+def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.preset = ""
+    c.workflow = workflow
+    c.workflow_options = ml_collections.ConfigDict()
+    c.policy = "shared"  # "shared" (SP) | "isolated" (IP)
+
+    c.model = ml_collections.ConfigDict(dict(name="smollm2-135m-instruct", dtype="float32"))
+    c.trainable = ml_collections.ConfigDict(dict(mode="lora", rank=64, alpha=32.0, targets="all"))
+
+    c.task = ml_collections.ConfigDict(dict(
+        kind="math",
+        source="reasoning_gym",  # reasoning_gym | file | humaneval | code_file
+        name="basic_arithmetic",  # reasoning-gym dataset
+        difficulty=ml_collections.ConfigDict(dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)),
+        path="",  # JSONL / parquet for source=file / code_file
+        question_key="problem", answer_key="answer", tests_key="tests", id_key="",
+        size=2000,  # tasks generated / read
+        val_size=64,  # held-out tasks for validation
+        extraction="boxed",  # boxed | last_number | boxed_or_last_number
+        code_timeout_s=3.0,
+    ))
+    c.num_tasks = 64  # tasks per step; each is run group_size times
+    c.rollout = ml_collections.ConfigDict(dict(
+        group_size=8, temperature=0.7, top_p=1.0, top_k=0, credit="broadcast",
+        group_by_call_index="auto",  # auto (the workflow's default) | true | false
+        max_new_tokens=ml_collections.ConfigDict({r: 1024 for r in roles}),
+        max_batch=256,
+    ))
+    c.advantage = ml_collections.ConfigDict(dict(standardize=True, eps=1e-6))
+    c.grpo = ml_collections.ConfigDict(dict(
+        clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-mean",
+        kl_coef=ml_collections.ConfigDict({r: 0.0 for r in roles}), kl_estimator="k3",
+        entropy_coef=0.0, old_logp="sampler", micro_batch=8, diagnostics=True, diagnostics_every=1,
+        metrics=True, copy_alignment=True,
+    ))
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=2e-5, weight_decay=0.01, grad_clip=1.0, schedule="constant", warmup_steps=0, min_lr_ratio=0.0))
+    c.train = ml_collections.ConfigDict(dict(
+        steps=300, seed=0, val_every=10, val_temperature=0.7, ckpt_every=10, keep_ckpts=3,
+        cliff_drop=0.15, cliff_patience=3, stop_on_cliff=False, restore_best_on_cliff=True,
+        tensorboard=True, plots=True,
+    ))
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    return c
+
+
+def apply_preset(c: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
+    """"" -> embedded CPU run; "<model>,<task>" -> reference settings on that model and task."""
+    c.preset = arg or "cpu"
+    if not arg:
+        return cpu_default(c)
+    parts = [p.strip() for p in arg.split(",")]
+    if len(parts) != 2 or parts[0] not in MODELS or parts[1] not in ("math", "code"):
+        raise ValueError(f"config argument {arg!r}: expected '<model>,<task>' with model in {sorted(MODELS)} "
+                         "and task in ['math', 'code'], e.g. configs/voting.py:qwen3-1.7b,math "
+                         "(or no argument for the embedded CPU run)")
+    model, task = parts
+    c.model.name = MODELS[model]
+    c.model.dtype = "bfloat16" if model.startswith("qwen3") else "float32"
+    c.num_tasks = 64
+    c.rollout.group_size = 8
+    c.train.steps = 300
+    if task == "math":
+        c.task.update(kind="math", source="file", path="data/dapo_math_17k.parquet", question_key="prompt",
+                      answer_key="reward_model.ground_truth", extraction="boxed", size=17000, val_size=500)
+        for r in c.rollout.max_new_tokens:
+            c.rollout.max_new_tokens[r] = 5120
+    else:
+        c.task.update(kind="code", source="code_file", path="data/deepcoder_train.jsonl", question_key="problem",
+                      tests_key="tests", size=24000, val_size=256)
+        for r in c.rollout.max_new_tokens:
+            c.rollout.max_new_tokens[r] = 2048
+    return c
+
+
+def cpu_default(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The embedded offline run: SmolLM2-135M on one-digit sums, sized for 2 CPU cores.
+
+    The 135M model almost never boxes its answer, so the reward reads the last number; short
+    completions and few episodes keep a step to tens of seconds.
+    """
+    c.task.update(extraction="last_number", size=512, val_size=32)
+    c.task.difficulty.update(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    c.num_tasks = 4
+    c.rollout.group_size = 4
+    for r in c.rollout.max_new_tokens:
+        c.rollout.max_new_tokens[r] = 32
+    c.trainable.update(rank=8, alpha=16.0)
+    c.optim.update(lr=1e-3, grad_clip=1.0)
+    c.grpo.micro_batch = 8
+    c.train.update(steps=12, val_every=6, ckpt_every=6, val_temperature=0.0)
+    return c
+
+
+_CHOICES = {
+    "workflow": ("single_agent", "eval_opt", "voting", "orch_workers"),
+    "policy": ("shared", "isolated"),
+    "model.dtype": ("float32", "bfloat16"),
+    "trainable.mode": ("lora", "full"),
+    "task.kind": ("math", "code"),
+    "task.source": ("reasoning_gym", "file", "humaneval", "code_file"),
+    "task.extraction": ("boxed", "last_number", "boxed_or_last_number"),
+    "rollout.credit": ("broadcast", "per_agent"),
+    "grpo.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "grpo.kl_estimator": ("k1", "k3"),
+    "grpo.old_logp": ("sampler", "recompute"),
+    "optim.schedule": ("constant", "warmup_cosine"),
+}
+_POSITIVE = ("num_tasks", "rollout.group_size", "rollout.max_batch", "grpo.micro_batch", "train.val_every",
+             "train.ckpt_every", "trainable.rank", "task.size")
+
+
+def _get(c, dotted):
+    for k in dotted.split("."):
+        c = c[k]
+    return c
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Raise ValueError naming the key and the fix for values the trainer cannot use."""
+    errors = []
+    for key, choices in _CHOICES.items():
+        v = _get(c, key)
+        if v not in choices:
+            errors.append(f"--config.{key}={v!r} is not one of {list(choices)}")
+    for key in _POSITIVE:
+        if _get(c, key) < 1:
+            errors.append(f"--config.{key} must be >= 1, got {_get(c, key)}")
+    if c.train.steps < 0:
+        errors.append(f"--config.train.steps must be >= 0, got {c.train.steps}")
+    if c.rollout.group_size < 2:
+        errors.append(f"--config.rollout.group_size={c.rollout.group_size}: GRPO needs >= 2 episodes per task "
+                      "(a group of one has advantage 0)")
+    if not 0.0 < c.rollout.top_p <= 1.0:
+        errors.append(f"--config.rollout.top_p must be in (0, 1], got {c.rollout.top_p}")
+    if c.rollout.temperature < 0:
+        errors.append(f"--config.rollout.temperature must be >= 0, got {c.rollout.temperature}")
+    if str(c.rollout.group_by_call_index).lower() not in ("auto", "true", "false"):
+        errors.append(f"--config.rollout.group_by_call_index must be auto, true or false, "
+                      f"got {c.rollout.group_by_call_index!r}")
+    if c.optim.lr <= 0:
+        errors.append(f"--config.optim.lr must be > 0, got {c.optim.lr}")
+    if c.task.source in ("file", "code_file") and not c.task.path:
+        errors.append(f"task.source={c.task.source} needs --config.task.path=/path/to/data.jsonl")
+    if c.task.kind == "code" and c.task.source in ("reasoning_gym", "file"):
+        errors.append(f"task.kind=code needs --config.task.source=humaneval or code_file, not {c.task.source}")
+    if c.task.kind == "math" and c.task.source in ("humaneval", "code_file"):
+        errors.append(f"task.kind=math needs --config.task.source=reasoning_gym or file, not {c.task.source}")
+    for k, v in c.grpo.kl_coef.items():
+        if v < 0:
+            errors.append(f"--config.grpo.kl_coef.{k} must be >= 0, got {v}")
+    for k, v in c.rollout.max_new_tokens.items():
+        if v < 1:
+            errors.append(f"--config.rollout.max_new_tokens.{k} must be >= 1, got {v}")
+    if errors:
+        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+    return c

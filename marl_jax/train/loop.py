@@ -1,0 +1,260 @@
+"""The training loop: rollout -> rewards -> GRPO advantages -> jitted update, with validation,
+checkpoints, metrics, cliff detection and an end-of-run summary.
+
+Everything random is keyed by (seed, step), and the data iterator's state is checkpointed, so a run
+resumed from its last checkpoint produces the metrics it would have produced uninterrupted
+(wall-clock fields aside).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax.policy.sampling import PolicySampler
+from marl_jax.rl import optim
+from marl_jax.rl.advantages import grpo_advantages, group_outcomes
+from marl_jax.rl.batch import make_batch, make_groups
+from marl_jax.rl.update import TrainState, UpdateConfig, init_state, make_train_step
+from marl_jax.tasks.data import task_batches
+from marl_jax.train.build import Runtime, build
+from marl_jax.train.checkpoint import Checkpointer
+from marl_jax.train.cliff import CliffMonitor, detect_cliff
+from marl_jax.train.metrics import MetricsWriter, read_metrics
+from marl_jax.workflows.rollout import run_episodes
+
+# Metrics that depend on wall-clock time (excluded when comparing resumed runs).
+TIMING_KEYS = ("tokens_per_s", "step_s", "sampler_s", "glue_s", "reward_s", "update_s")
+
+
+def parallel_copies(workflow) -> dict[str, int]:
+    """Roles called several times in parallel on one episode (for copy-alignment diagnostics)."""
+    if hasattr(workflow, "n_votes"):
+        return {"generator": int(workflow.n_votes)}
+    if hasattr(workflow, "max_items"):
+        return {"worker": int(workflow.max_items)}
+    return {}
+
+
+def _host(x):
+    return np.asarray(jax.device_get(x))
+
+
+def update_record(m: dict, roles, role_to_slot, copies) -> dict[str, float]:
+    """Flatten the update's metrics into named scalars (see marl_jax.train.metrics for names)."""
+    out = {"loss": float(_host(m["loss"])), "finite": bool(_host(m["finite"]))}
+    if "role_grad_norm" in m:
+        norm, share = _host(m["role_grad_norm"]), _host(m["role_grad_share"])
+        nshare, align, cos = _host(m["role_grad_norm_share"]), _host(m["role_copy_alignment"]), _host(m["role_grad_cos"])
+        for k, r in enumerate(roles):
+            out[f"grad/{r}/norm"] = float(norm[k])
+            out[f"grad/{r}/share"] = float(share[k])
+            out[f"grad/{r}/norm_share"] = float(nshare[k])
+            if copies.get(r, 1) > 1:
+                out[f"grad/{r}/copy_alignment"] = float(align[k])
+            for j in range(k + 1, len(roles)):
+                if role_to_slot[r] == role_to_slot[roles[j]]:
+                    out[f"grad/cos/{r}~{roles[j]}"] = float(cos[k, j])
+    if "role_stats" in m:
+        st = {k: _host(v) for k, v in m["role_stats"].items()}
+        for k, r in enumerate(roles):
+            tok = max(float(st["tokens"][k]), 1.0)
+            if st["rows"][k] == 0:
+                continue
+            out[f"{r}/clip_frac"] = float(st["clip"][k]) / tok
+            out[f"{r}/approx_kl"] = float(st["approx_kl"][k]) / tok
+            if "entropy" in st:
+                out[f"{r}/entropy"] = float(st["entropy"][k]) / tok
+            if "kl" in st:
+                out[f"{r}/kl"] = float(st["kl"][k]) / tok
+    slot_norm = _host(m["slot_grad_norm"])
+    for s, v in enumerate(slot_norm):
+        out[f"grad/slot{s}/norm"] = float(v)
+    return out
+
+
+def validate_policy(rt: Runtime, trainable, key, step: int) -> dict[str, float]:
+    """pass@1 of the final answer on the held-out split (one episode per task)."""
+    c = rt.config
+    sample = PolicySampler(rt.sampler, rt.base, trainable, key, temperature=c.train.val_temperature,
+                           top_p=c.rollout.top_p, top_k=c.rollout.top_k, stop_ids=tuple(rt.tokenizer.eos_token_ids))
+    res = run_episodes(rt.workflow, rt.val_tasks, 1, sample, rt.tokenizer, role_to_slot=rt.role_to_slot,
+                       credit="broadcast", grade_fn=rt.grade_fn, max_new_tokens=rt.max_new_tokens())
+    rec = {"step": step}
+    for k, v in res.metrics.items():
+        if k == "success" or k.endswith("/accuracy") or k in ("any_correct", "iterations", "items"):
+            rec[f"val/{k}"] = float(v)
+    return rec
+
+
+class Trainer:
+    """Holds the runtime, the jitted step and the run's state; `run()` trains to config.train.steps."""
+
+    def __init__(self, config, workdir: str, *, model=None, tasks=None, progress: bool = True):
+        self.c = config
+        self.workdir = workdir
+        self.progress = progress
+        os.makedirs(workdir, exist_ok=True)
+        self.rt = rt = build(config, model=model, tasks=tasks)
+        self.copies = parallel_copies(rt.workflow) if config.grpo.copy_alignment else {}
+        self.groups = make_groups(rt.roles, rt.role_to_slot, self.copies)
+        g = config.grpo
+        self.kl_coef = {r: float(g.kl_coef.get(r, 0.0)) for r in rt.roles}
+        self.ucfg = UpdateConfig(clip_low=g.clip_low, clip_high=g.clip_high, dual_clip=g.dual_clip or None, agg=g.agg,
+                                 kl=any(v > 0 for v in self.kl_coef.values()), kl_estimator=g.kl_estimator,
+                                 entropy_coef=g.entropy_coef, old_logp=g.old_logp, micro_batch=g.micro_batch,
+                                 max_len_norm=float(max(rt.max_new_tokens().values())),  # Dr. GRPO's constant
+                                 diagnostics=g.diagnostics, metrics=g.metrics, dtype=rt.dtype)
+        o = config.optim
+        self.tx = optim.per_slot(optim.make_optimizer(
+            lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
+            warmup_steps=o.warmup_steps, total_steps=max(config.train.steps, o.warmup_steps + 1),
+            min_lr_ratio=o.min_lr_ratio))
+        tables = dict(num_groups=len(self.groups.names), group_slot=self.groups.slot,
+                      group_role=[rt.roles.index(r) for r in self.groups.role], num_roles=len(rt.roles),
+                      role_slot=[rt.role_to_slot[r] for r in rt.roles])
+        self.step_fn = make_train_step(rt.model.cfg, rt.spec, self.ucfg, self.tx, **tables)
+        # Steps between diagnostics run the cheaper program (one backward pass instead of one per group).
+        self.plain_step_fn = (make_train_step(rt.model.cfg, rt.spec, dataclasses.replace(self.ucfg, diagnostics=False),
+                                              self.tx, **tables)
+                              if g.diagnostics and g.diagnostics_every > 1 else self.step_fn)
+        self.key = jax.random.PRNGKey(config.train.seed)
+        self.state = init_state(rt.init_trainable(jax.random.fold_in(self.key, 0)), self.tx)
+        self.data = task_batches(rt.train_tasks, batch_size=config.num_tasks, seed=config.train.seed)
+        self.monitor = CliffMonitor(drop=config.train.cliff_drop, patience=config.train.cliff_patience)
+        self.ckpt = Checkpointer(workdir, keep=config.train.keep_ckpts)
+        self.start_step = 0
+        latest = self.ckpt.latest_step()
+        if latest is not None:
+            state, meta = self.ckpt.restore(latest, template=self._ckpt_state())
+            self.state = TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
+                                    jnp.asarray(state["skipped"]))
+            self.data.set_state(meta["data"])
+            self.monitor.load_state(meta["cliff"])
+            self.start_step = latest
+        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard,
+                                    resume_step=self.start_step if latest is not None else None)
+
+    def _ckpt_state(self):
+        s = self.state
+        return {"trainable": s.trainable, "opt_state": s.opt_state, "step": s.step, "skipped": s.skipped}
+
+    def _save(self, step: int, best: float | None):
+        meta = {"data": self.data.get_state(), "cliff": self.monitor.state(), "config": self.c.to_dict()}
+        self.ckpt.save(step, jax.device_get(self._ckpt_state()), meta=_jsonable(meta), best_metric=best)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        rt, c = self.rt, self.c
+        t0 = time.perf_counter()
+        tasks = next(self.data)
+        sample = PolicySampler(rt.sampler, rt.base, self.state.trainable, jax.random.fold_in(self.key, step + 1),
+                               temperature=c.rollout.temperature, top_p=c.rollout.top_p, top_k=c.rollout.top_k,
+                               stop_ids=tuple(rt.tokenizer.eos_token_ids))
+        res = run_episodes(rt.workflow, tasks, c.rollout.group_size, sample, rt.tokenizer,
+                           role_to_slot=rt.role_to_slot, credit=c.rollout.credit, grade_fn=rt.grade_fn,
+                           max_new_tokens=rt.max_new_tokens(), group_by_call_index=rt.group_by_call_index())
+        rows = res.rows
+        rewards = np.asarray([r.reward for r in rows], np.float32)
+        keys = [r.group_key for r in rows]
+        adv = grpo_advantages(rewards, keys, standardize=c.advantage.standardize, eps=c.advantage.eps)
+        adv = np.where([r.trained for r in rows], adv, 0.0).astype(np.float32)
+        batch = make_batch(rows, adv, role_to_slot=rt.role_to_slot, num_slots=rt.spec.num_slots, groups=self.groups,
+                           micro_batch=c.grpo.micro_batch, pad_id=rt.tokenizer.pad_id, kl_coef=self.kl_coef,
+                           agg=c.grpo.agg, keep_zero_advantage=self.ucfg.kl or self.ucfg.entropy_coef != 0.0)
+        t1 = time.perf_counter()
+        fn = self.step_fn if step % max(c.grpo.diagnostics_every, 1) == 0 else self.plain_step_fn
+        self.state, m = fn(self.state, rt.base, jax.tree_util.tree_map(jnp.asarray, batch))
+        rec = {"step": step + 1, **{k: float(v) for k, v in res.metrics.items()}}
+        rec.update(update_record(m, rt.roles, rt.role_to_slot, self.copies))
+        rec["reward_mean"] = float(rewards.mean()) if len(rewards) else 0.0
+        rec.update({k: float(v) for k, v in group_outcomes(rewards, keys).items()})
+        rec["skipped_updates"] = int(_host(self.state.skipped))
+        t2 = time.perf_counter()
+        gen_tokens = sum(len(r.completion_tokens) for r in rows)
+        rec.update(step_s=t2 - t0, update_s=t2 - t1, tokens_per_s=gen_tokens / max(t2 - t0, 1e-9),
+                   **{k: float(v) for k, v in res.timing.items() if k in ("sampler_s", "glue_s", "reward_s")})
+        return rec
+
+    def run(self) -> dict[str, Any]:
+        c, rt = self.c, self.rt
+        steps = c.train.steps
+        if self.start_step == 0:
+            val = validate_policy(rt, self.state.trainable, jax.random.fold_in(self.key, 10 ** 6), 0)
+            self.writer.write(val)
+            self.monitor.update(0, val.get("val/success", 0.0))
+        bar = _progress(self.start_step, steps, self.progress)
+        stopped_on_cliff = None
+        try:
+            for step in range(self.start_step, steps):
+                rec = self.train_step(step)
+                self.writer.write(rec)
+                best = None
+                if (step + 1) % c.train.val_every == 0 or step + 1 == steps:
+                    val = validate_policy(rt, self.state.trainable,
+                                          jax.random.fold_in(self.key, 10 ** 6 + step + 1), step + 1)
+                    self.writer.write(val)
+                    best = val.get("val/success", 0.0)
+                    rec.update(val)
+                    if self.monitor.update(step + 1, best) and c.train.stop_on_cliff:
+                        stopped_on_cliff = step + 1
+                if (step + 1) % c.train.ckpt_every == 0 or step + 1 == steps or stopped_on_cliff:
+                    self._save(step + 1, best)
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec.get('success', 0):.3f}",
+                                val=f"{rec['val/success']:.3f}" if "val/success" in rec else "-",
+                                tok_s=f"{rec['tokens_per_s']:.0f}")
+                if stopped_on_cliff:
+                    break
+        finally:
+            bar.close()
+            self.ckpt.wait()
+            self.writer.close()
+        return self.finish(stopped_on_cliff)
+
+    def finish(self, stopped_on_cliff=None) -> dict[str, Any]:
+        from marl_jax.train.summary import summary_table, write_summary
+
+        recs = read_metrics(self.workdir)
+        val = [(r["step"], r["val/success"]) for r in recs if "val/success" in r]
+        cliff = detect_cliff([s for s, _ in val], [v for _, v in val], drop=self.c.train.cliff_drop) if val else None
+        out = {"workdir": self.workdir, "cliff": cliff, "stopped_on_cliff": stopped_on_cliff}
+        if stopped_on_cliff and self.c.train.restore_best_on_cliff and self.ckpt.best_step() is not None:
+            best = self.ckpt.best_step()
+            state, _ = self.ckpt.restore(best, template=self._ckpt_state())
+            self.state = TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
+                                    jnp.asarray(state["skipped"]))
+            out["restored_step"] = best
+        if jax.process_index() == 0:
+            if self.c.train.plots:
+                out["table"] = write_summary(self.workdir, list(self.rt.roles), drop=self.c.train.cliff_drop)
+            else:
+                out["table"] = summary_table(recs, list(self.rt.roles))
+        self.ckpt.close()
+        return out
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    return x
+
+
+def _progress(start: int, total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+
+
+def train(config, workdir: str, **kw) -> dict[str, Any]:
+    return Trainer(config, workdir, **kw).run()
