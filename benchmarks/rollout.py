@@ -11,7 +11,8 @@ Each workflow first runs one warm-up rollout on the same tasks with the same PRN
 rollout replays the same shapes and compiles nothing; compile time is reported as warm-up wall minus
 timed wall. The timed rollout's wall time is split into sampler (inside the jitted sampler calls;
 prefill and decode shown separately), glue (prompt rendering, tokenising, parsing, credit, grouping)
-and reward (grading). The last lines are a compact table and the absolute numbers, one line per
+and reward (grading). The persistent XLA cache is not enabled here, so compile time is a cold compile.
+The last lines are a compact table and the absolute numbers, one line per
 workflow: `<workflow> episodes_per_s=... total_s=... sampler_s=... glue_s=... reward_s=... compile_s=...`.
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ def bench_one(workflow: str, args, model, tasks) -> dict:
         reward_s=t.get("reward_s", 0.0), prefill_s=sum(x.get("prefill_s", 0.0) for x in c),
         decode_s=sum(x.get("decode_s", 0.0) for x in c), warmup_s=walls[0], compile_s=max(walls[0] - walls[1], 0.0),
         success=res.metrics.get("success", float("nan")),
-        stages={x["stage"]: (x["rows"], x["tokens"], x["seconds"]) for x in c},
+        stages={x["stage"]: (x["rows"], x.get("prefill_rows", x["rows"]), x["tokens"], x["seconds"]) for x in c},
         same_rows=[r.completion_tokens for r in results[0].rows] == [r.completion_tokens for r in res.rows],
     )
     out["episodes_per_s"] = n_ep / out["total_s"]
@@ -118,7 +119,8 @@ def main(argv=None):
     for wf in args.workflows:
         r = bench_one(wf, args, model, tasks)
         rows.append(r)
-        stages = ", ".join(f"{k}: {n} rows {tok} tok {s:.1f}s" for k, (n, tok, s) in r["stages"].items())
+        stages = ", ".join(f"{k}: {n} rows ({u} prefilled) {tok} tok {s:.1f}s"
+                           for k, (n, u, tok, s) in r["stages"].items())
         print(f"{wf}: warm-up {r['warmup_s']:.1f}s, timed {r['total_s']:.1f}s, success {r['success']:.2f}, "
               f"replay identical: {r['same_rows']}; {stages}", flush=True)
 

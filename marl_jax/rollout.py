@@ -9,6 +9,8 @@ episode (prompts, outputs, parsed verdicts / selections / items, rewards, GRPO g
 (success, per-role accuracy, the time split between sampler, host glue and reward), and writes every
 row (prompt and completion tokens, log-probs, role, slot, reward, group key) as JSONL to --out.
 
+Compiled programs are cached on disk across runs (see marl_jax.jax_setup; MARL_JAX_CACHE=off disables).
+
 The policy is the base model with freshly initialised trainable parameters (LoRA B = 0, so exactly
 the base model's behaviour), or, with --trained_workdir, the ``trainable`` entry of a checkpoint that
 training saved there (--step: latest, best or a step number).
@@ -222,9 +224,14 @@ def main(argv: Sequence[str]) -> None:
         _fail(f"unexpected arguments {argv[1:]}; flags are written --name=value")
     config = _load_config()
     import jax
+    from absl import logging
 
+    from marl_jax.jax_setup import enable_compilation_cache
     from marl_jax.train.build import build
     from marl_jax.workflows.rollout import format_transcript, rows_to_jsonl
+
+    logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache()  # repeated runs skip XLA compiles (MARL_JAX_CACHE=off disables)
 
     t0 = time.perf_counter()
     try:
@@ -236,7 +243,7 @@ def main(argv: Sequence[str]) -> None:
     tasks = pool[start:start + n]
     if len(tasks) < n:
         _fail(f"the {FLAGS.split} split has {len(pool)} tasks; --task_offset={start} with "
-                             f"--config.num_tasks={n} runs past its end")
+              f"--config.num_tasks={n} runs past its end")
     key_init, key_sample = jax.random.split(jax.random.key(FLAGS.seed))
     trainable = rt.init_trainable(key_init)
     source = "base model (fresh trainable)"
