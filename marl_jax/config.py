@@ -108,7 +108,8 @@ def cpu_default(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         c.rollout.max_new_tokens[r] = 32
     c.trainable.update(rank=8, alpha=16.0)
     c.optim.update(lr=1e-3, grad_clip=1.0)
-    c.grpo.micro_batch = 8
+    # Per-role gradients every step, but not per parallel copy: each group costs a backward pass.
+    c.grpo.update(micro_batch=16, copy_alignment=False)
     c.train.update(steps=12, val_every=6, ckpt_every=6, val_temperature=0.0)
     return c
 
