@@ -1,0 +1,104 @@
+"""Shared, session-scoped model fixtures: tiny random Hugging Face checkpoints and the embedded SmolLM2.
+
+Everything heavy (transformers' GGUF load, exports) is built once per test session and only when a test
+asks for it; torch and transformers are imported inside the fixtures, so test files that never use them
+do not pay for them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+
+import pytest
+
+SMOLLM = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """make(family, tie=False, num_kv_heads=None, seed=0, tokenizer=False) -> folder of a tiny random
+    checkpoint written by transformers' save_pretrained (cached per argument set)."""
+    from hf_fixtures import make_tiny_hf, save_tiny_tokenizer
+
+    made: dict[tuple, pathlib.Path] = {}
+
+    def make(family: str, tie: bool = False, num_kv_heads: int | None = None, seed: int = 0,
+             tokenizer: bool = False) -> pathlib.Path:
+        key = (family, tie, num_kv_heads, seed, tokenizer)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{family}-tie{int(tie)}-kv{num_kv_heads}-s{seed}")
+            make_tiny_hf(family, out, tie=tie, seed=seed, num_kv_heads=num_kv_heads)
+            if tokenizer:
+                save_tiny_tokenizer(out)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M-Instruct as load_model gives it (numpy params, GGUF tokenizer)."""
+    from marl_jax.models.loading import load_model
+
+    return load_model(SMOLLM)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf_gguf():
+    """transformers' own loading of the embedded GGUF file (float32, eval mode). About 20-30 s."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from marl_jax.models.embedded import embedded_gguf_path
+
+    path = embedded_gguf_path(SMOLLM)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_export_dir(smollm, tmp_path_factory):
+    """The embedded model exported by save_hf_dir, tokenizer included."""
+    from marl_jax.models import hf
+
+    return hf.save_hf_dir(tmp_path_factory.mktemp("smollm-export"), smollm.cfg, smollm.params,
+                          tokenizer=smollm.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf_export(smollm_export_dir):
+    """transformers' model loaded from the exported folder (float32, eval mode)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(str(smollm_export_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(smollm):
+    """Token ids of real chat prompts (mixed lengths) under the embedded model's chat template."""
+    from hf_fixtures import CHAT_QUESTIONS
+
+    return [smollm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
+
+
+@pytest.fixture(scope="session")
+def torch_threads():
+    """threads(n=None): a context manager that runs torch on n threads; by default all of them on an idle
+    machine and one on a busy one (torch's spinning worker threads slow it several-fold when other processes
+    hold the cores)."""
+    torch = pytest.importorskip("torch")
+
+    @contextlib.contextmanager
+    def threads(n: int | None = None):
+        before = torch.get_num_threads()
+        if n is None:
+            busy = os.getloadavg()[0] >= (os.cpu_count() or 1)  # this process alone adds about 1
+            n = 1 if busy else before
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    return threads
