@@ -1,0 +1,146 @@
+"""Command-line tools as a user runs them: `python -m marl_jax.generate` and `python -m marl_jax.models.parity`.
+
+The subprocesses are independent, so they all start together (module fixture) and each test waits for its own.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from marl_jax.generate.sampler import Sampler, SamplingParams
+from marl_jax.models.loading import load_model
+from marl_jax.models.parity import compare_logits
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY_PROMPTS = ("the quick brown fox", "What is 2 + 2?")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_ckpt):
+    return tiny_ckpt("llama", tie=True, num_kv_heads=2, tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def disagreeing_dir(tiny_ckpt, tmp_path_factory):
+    """A checkpoint transformers reads differently from marl_jax: its config asks for a GELU MLP."""
+    src = tiny_ckpt("llama", tie=True, num_kv_heads=2)
+    out = tmp_path_factory.mktemp("gelu")
+    for f in src.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dir, disagreeing_dir, tmp_path_factory):
+    """Start every CLI run at once; runs(name) -> (returncode, stdout, stderr)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MARL_JAX_CACHE": str(tmp_path_factory.mktemp("xla-cache"))}
+    gen = [sys.executable, "-m", "marl_jax.generate"]
+    parity = [sys.executable, "-m", "marl_jax.models.parity"]
+    commands = {
+        "tiny": gen + [f"--model={tiny_dir}", *(f"--prompt={p}" for p in TINY_PROMPTS), "--max_new_tokens=8"],
+        "chat": gen + ["--model=smollm2-135m-instruct", "--chat", "--prompt=What is the capital of France?",
+                       "--max_new_tokens=12"],
+        "parity_ok": parity + [f"--hf_dir={tiny_dir}"],
+        "parity_bad": parity + [f"--hf_dir={disagreeing_dir}"],
+        "no_prompt": gen + [f"--model={tiny_dir}"],
+    }
+    procs = {name: subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, cmd in commands.items()}
+    done: dict[str, tuple[int, str, str]] = {}
+
+    def result(name: str) -> tuple[int, str, str]:
+        if name not in done:
+            out, err = procs[name].communicate(timeout=600)
+            done[name] = (procs[name].returncode, out, err)
+        return done[name]
+
+    yield result
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_generate_on_hf_folder_prints_the_greedy_completions(runs, tiny_dir):
+    rc, out, err = runs("tiny")
+    assert rc == 0, err[-3000:]
+    # What the library itself generates for the same request.
+    m = load_model(str(tiny_dir))
+    tok = m.tokenizer
+    prompts = [tok.encode(p) for p in TINY_PROMPTS]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0, stop_ids=tuple(tok.eos_token_ids))
+    res = Sampler(m.cfg, pad_id=tok.pad_id).generate(jax.device_put(m.params), prompts, jax.random.PRNGKey(0), sp)
+    pos = 0
+    for i, p in enumerate(TINY_PROMPTS):
+        header = f"--- [{i}] {p!r}"
+        text = tok.decode(res.row(i)[0], skip_special_tokens=True)
+        pos = out.index(header, pos) + len(header)
+        assert out[pos:].startswith("\n" + text), (text, out)
+    n = int(re.search(r"\[(\d+) tokens in [\d.]+s", err).group(1))
+    assert n == int(res.lengths.sum()) and n > 0
+
+
+def test_generate_chat_on_embedded_model(runs):
+    rc, out, err = runs("chat")
+    assert rc == 0, err[-3000:]
+    text = out.strip()
+    assert text and "<|im_" not in text and "assistant" not in text.split()[0].lower()
+    assert "Paris" in text, text  # the chat template really framed a question the model could answer
+
+
+def test_generate_usage_errors(runs):
+    rc, _, err = runs("no_prompt")
+    assert rc == 1 and "--prompt" in err
+
+
+def _metrics(out: str) -> dict[str, float]:
+    return {k: float(v) for k, v in re.findall(r"^(max_abs_logit_diff|mean_kl|greedy_agreement)=(\S+)$", out, re.M)}
+
+
+def test_parity_cli_passes_on_a_tiny_checkpoint(runs):
+    rc, out, err = runs("parity_ok")
+    assert rc == 0, (out, err[-3000:])
+    m = _metrics(out)
+    assert set(m) == {"max_abs_logit_diff", "mean_kl", "greedy_agreement"}
+    assert 0 <= m["max_abs_logit_diff"] <= 1e-4 and abs(m["mean_kl"]) <= 1e-8 and m["greedy_agreement"] == 1.0
+    assert "PASS" in out
+
+
+def test_parity_cli_fails_when_models_disagree(runs):
+    """The GELU checkpoint: marl_jax either refuses it (an error naming hidden_act) or loads it and parity
+    reports the disagreement; either way the exit status is 1."""
+    rc, out, err = runs("parity_bad")
+    assert rc == 1, (out, err[-3000:])
+    m = _metrics(out)
+    if m:
+        assert m["max_abs_logit_diff"] > 1e-3 and "FAIL" in out
+    else:
+        assert "hidden_act" in err, err[-3000:]
+
+
+def test_compare_logits_hand_worked():
+    """Two positions compared, one masked out (its huge difference must not count)."""
+    ref = np.array([[[0.0, 0.0], [5.0, 1.0], [100.0, -100.0]]])
+    ours = np.array([[[0.0, math.log(3.0)], [5.0, 1.5], [-100.0, 100.0]]])
+    valid = np.array([[True, True, False]])
+    r = compare_logits(ref, ours, valid)
+    assert r.max_abs_diff == pytest.approx(math.log(3.0))
+    # KL(ref || ours): position 0 is 0.5 * log(4/3) (p = [1/2, 1/2] vs q = [1/4, 3/4]); position 1 by hand.
+    p1 = np.exp([5.0, 1.0]) / np.exp([5.0, 1.0]).sum()
+    q1 = np.exp([5.0, 1.5]) / np.exp([5.0, 1.5]).sum()
+    kl1 = float(np.sum(p1 * np.log(p1 / q1)))
+    assert r.mean_kl == pytest.approx((0.5 * math.log(4 / 3) + kl1) / 2, rel=1e-9)
+    assert r.greedy_agreement == 0.5  # position 0: argmax 0 vs 1; position 1: both 0
+    assert not r.ok(atol=1e-4) and not r.ok(atol=2.0) and r.ok(atol=2.0, min_agreement=0.5)
