@@ -46,10 +46,8 @@ SCRIPT = textwrap.dedent('''
     prompts = [rng.randint(0, cfg.vocab_size, rng.randint(1, 17)).tolist() for _ in range(11)]
     limits = [16, 3, 16, 2, 5, 16, 1, 4, 16, 2, 3]  # rows finish early: the sharded compaction runs too
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
-    sampled = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=40)
     key = jax.random.PRNGKey(1)
     g_ref = Sampler(cfg).generate(params, prompts, key, greedy, max_new_tokens=limits)
-    s_ref = Sampler(cfg).generate(params, prompts, key, sampled)
     out = {"devices": len(jax.devices()), "logits_scale": float(np.abs(ref).max())}
     for data, model in MESHES:
         mesh = sharding.make_mesh(data, model)
@@ -61,16 +59,12 @@ SCRIPT = textwrap.dedent('''
             "shard_shapes": {jax.tree_util.keystr(p): list(x.addressable_shards[0].data.shape) for p, x in flat},
             "full_shapes": {jax.tree_util.keystr(p): list(x.shape) for p, x in flat},
         }
-        s = Sampler(cfg, mesh=mesh)
         if (data, model) == MESHES[0]:  # greedy, rows finishing early (compaction on the mesh)
+            s = Sampler(cfg, mesh=mesh)
             g = s.generate(sharded, prompts, key, greedy, max_new_tokens=limits)
             res["compactions"] = s.stats["compactions"]
             res["greedy_tokens"], res["greedy_ref"] = g.tokens.tolist(), g_ref.tokens.tolist()
             res["greedy_lengths"], res["greedy_ref_lengths"] = g.lengths.tolist(), g_ref.lengths.tolist()
-        else:  # sampled: per-row randomness must not depend on where a row lives
-            r = s.generate(sharded, prompts, key, sampled)
-            res["sampled_tokens"], res["sampled_ref"] = r.tokens.tolist(), s_ref.tokens.tolist()
-            res["sampled_logp_diff"] = float(np.abs(r.logprobs - s_ref.logprobs).max())
         out[f"{data}x{model}"] = res
     print("RESULT " + json.dumps(out))
 ''')
@@ -103,12 +97,6 @@ def test_sharded_sampler_greedy_equals_unsharded(report):
     assert r["greedy_lengths"] == r["greedy_ref_lengths"]
     assert r["greedy_tokens"] == r["greedy_ref"]
     assert r["compactions"] >= 1
-
-
-def test_sharded_sampler_samples_equal_unsharded(report):
-    r = report["4x2"]
-    assert r["sampled_tokens"] == r["sampled_ref"]
-    assert r["sampled_logp_diff"] <= 1e-4
 
 
 @pytest.mark.parametrize("mesh", [f"{d}x{m}" for d, m in MESHES])
