@@ -1,0 +1,386 @@
+"""GRPO update-step throughput: marl_jax's jitted train step against a PyTorch reference, same rows, same run.
+
+    python benchmarks/train_step.py [--rows=8 --micro_batch=4 --prompt_len=100 --completion_len=128 --reps=3]
+
+The defaults keep a run near 6 minutes on 2 CPU cores; --rows=32 --micro_batch=8 is 4x the work per step.
+
+Workload: --rows random-token rows (prompt ~--prompt_len tokens +-20%, completion 75-100% of
+--completion_len) from --roles roles sharing one LoRA slot (rank 64, alpha 32, every linear layer) on
+SmolLM2-135M-Instruct (embedded) in float32. Advantages are random and nonzero; old log-probs are the
+starting policy's own plus N(0, 0.1) noise, so some tokens clip. LoRA B starts at small random values
+(a policy some steps into training) so that the adapters change the output and the loss check covers them.
+
+marl_jax: make_train_step with UpdateConfig(diagnostics=False, metrics=False) is the headline; the step
+with diagnostics and metrics on (one backward pass per role group) is reported after it. Each is timed
+after a warm-up call, whose time (compilation included) is reported separately.
+PyTorch: transformers' LlamaForCausalLM from the same weights (float32, --threads threads), plain-torch
+LoRA on every decoder nn.Linear with marl_jax's initial A/B, the same loss (PPO clip 0.2/0.28, dual
+clip 3, seq-mean-token-mean), the same micro-batches (each padded to its own longest row, LM head on
+completion positions only), grad-norm clipping 1.0 and AdamW as marl_jax's optimizer (betas 0.9/0.999, eps 1e-8, decay 0.01).
+Both take one untimed first step, then --reps timed steps alternately (so that changes in the load of a
+shared machine hit both alike); medians are reported. The first-step losses of both are printed (they
+agree to ~1e-6 relative when the computation is the same), and the losses after the AdamW updates.
+Prints wall times per step, tokens/s, the marl_jax step's achieved FLOP/s next to a jitted f32 2048^2
+matmul peak measured here, and as its last line `speedup=<PyTorch step time / marl_jax step time>`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+# libgomp's default busy-waiting makes torch's 2 threads many times slower whenever another process
+# holds a core (measured here: 5x on a forward pass); passive waiting costs little on an idle one.
+# Set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+ROLE_NAMES = ("generator", "evaluator", "voter", "worker")
+# marl_jax LoRA target -> attribute path of the matching nn.Linear inside a transformers decoder layer.
+HF_LINEAR = {"wq": ("self_attn", "q_proj"), "wk": ("self_attn", "k_proj"), "wv": ("self_attn", "v_proj"),
+             "wo": ("self_attn", "o_proj"), "w_gate": ("mlp", "gate_proj"), "w_up": ("mlp", "up_proj"),
+             "w_down": ("mlp", "down_proj")}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--prompt_len", type=int, default=100, help="mean prompt length (varied +-20%%)")
+    p.add_argument("--completion_len", type=int, default=128, help="max completion length (varied down to 75%%)")
+    p.add_argument("--micro_batch", type=int, default=4)
+    p.add_argument("--roles", type=int, default=2, help="roles sharing the slot (diagnostic groups)")
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--reps", type=int, default=3, help="timed steps per implementation (after one warm-up)")
+    p.add_argument("--diag_reps", type=int, default=1, help="timed diagnostics-on steps (0 skips them)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.rows < 1 or args.micro_batch < 1 or args.reps < 1:
+        p.error("--rows, --micro_batch and --reps must be >= 1")
+    if not 1 <= args.roles <= len(ROLE_NAMES):
+        p.error(f"--roles must be in 1..{len(ROLE_NAMES)}")
+    return args
+
+
+@dataclasses.dataclass
+class Row:
+    """The fields rl.batch.make_batch reads from a trajectory row."""
+
+    prompt_tokens: list
+    completion_tokens: list
+    logprobs: list
+    role: str
+    call_index: int = 0
+    trained: bool = True
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of a jitted f32 n x n matmul (the machine's attainable rate right now)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(reps):
+        f(a).block_until_ready()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def synth_rows(args: argparse.Namespace, vocab: int, special: set[int]) -> list[Row]:
+    """Random-token rows with varied lengths (log-probs are filled in later)."""
+    import numpy as np
+
+    rng = np.random.RandomState(args.seed)
+    ok = np.array([t for t in range(vocab) if t not in special])
+    rows = []
+    for i in range(args.rows):
+        p = int(rng.randint(int(args.prompt_len * 0.8), int(args.prompt_len * 1.2) + 1))
+        c = int(rng.randint(max(1, int(args.completion_len * 0.75)), args.completion_len + 1))
+        rows.append(Row([int(t) for t in rng.choice(ok, p)], [int(t) for t in rng.choice(ok, c)], [],
+                        ROLE_NAMES[i % args.roles]))
+    return rows
+
+
+def start_lora(spec, cfg, base, seed: int):
+    """marl_jax's initial adapters with B moved off zero (as after some training)."""
+    import jax
+
+    from marl_jax.policy.lora import init_trainable
+
+    tr = init_trainable(spec, cfg, base, jax.random.PRNGKey(seed))
+    key = jax.random.PRNGKey(seed + 1)
+    out = {}
+    for i, (name, ab) in enumerate(sorted(tr.items())):
+        b = 0.01 * jax.random.normal(jax.random.fold_in(key, i), ab["b"].shape, ab["b"].dtype)
+        out[name] = {"a": ab["a"], "b": b}
+    return out
+
+
+def step_flops(cfg, spec, body_tokens: float, ctx: float, head_tokens: float) -> float:
+    """Matmul FLOPs of one forward + backward over `body_tokens` positions (keys per query: ctx) and
+    the LM head on `head_tokens` positions, with frozen base weights and LoRA on spec's targets.
+
+    Forward: ModelConfig.flops_per_token split into base linears, attention (q.k, p.v), LM head, plus
+    LoRA (x A, (x A) B). Backward: 1x base linears and 1x LM head (activation gradients only, weights
+    frozen), 2x attention (gradients of both operands), 2x LoRA (activation and A/B gradients).
+    """
+    d, V = cfg.hidden_size, cfg.vocab_size
+    head = 2.0 * d * V
+    lin = cfg.flops_per_token(0) - head
+    att = cfg.flops_per_token(int(round(ctx))) - cfg.flops_per_token(0)
+    io = {"wq": (d, cfg.q_dim), "wk": (d, cfg.kv_dim), "wv": (d, cfg.kv_dim), "wo": (cfg.q_dim, d),
+          "w_gate": (d, cfg.intermediate_size), "w_up": (d, cfg.intermediate_size),
+          "w_down": (cfg.intermediate_size, d)}
+    lora = 2.0 * cfg.num_layers * spec.rank * sum(io[n][0] + io[n][1] for n in spec.target_names)
+    return body_tokens * (2 * lin + 3 * att + 3 * lora) + head_tokens * 2 * head
+
+
+# ---------------------------------------------------------------- PyTorch reference
+
+def torch_lora_model(path: str, cfg, spec, trainable, threads: int):
+    """LlamaForCausalLM from `path`, base frozen, every decoder nn.Linear wrapped with marl_jax's A/B."""
+    import numpy as np
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.requires_grad_(False)
+    scale = spec.scale
+
+    class LoRALinear(torch.nn.Module):
+        """y = base(x) + scale * (x A) B, A [in, r], B [r, out] (marl_jax's layout)."""
+
+        def __init__(self, base: torch.nn.Linear, a: np.ndarray, b: np.ndarray):
+            super().__init__()
+            self.base = base
+            self.a = torch.nn.Parameter(torch.tensor(np.array(a), dtype=torch.float32))
+            self.b = torch.nn.Parameter(torch.tensor(np.array(b), dtype=torch.float32))
+
+        def forward(self, x):
+            return self.base(x) + (x @ self.a) @ self.b * scale
+
+    lora_params = []
+    for name in spec.target_names:
+        parent_name, attr = HF_LINEAR[name]
+        a, b = np.asarray(trainable[name]["a"][0]), np.asarray(trainable[name]["b"][0])
+        for i, layer in enumerate(model.model.layers):
+            parent = getattr(layer, parent_name)
+            wrapped = LoRALinear(getattr(parent, attr), a[i], b[i])
+            setattr(parent, attr, wrapped)
+            lora_params += [wrapped.a, wrapped.b]
+    if cfg.num_layers != len(model.model.layers):
+        raise RuntimeError(f"exported model has {len(model.model.layers)} layers, expected {cfg.num_layers}")
+    model.train()
+    return model, lora_params
+
+
+def torch_chunk_logprobs(model, chunk):
+    """Completion-token log-probs of a micro-batch, padded to its longest row: ([N, W] logp, [N, W] mask).
+
+    The LM head runs on the positions that predict completion tokens only.
+    """
+    import torch
+
+    L = max(len(r.prompt_tokens) + len(r.completion_tokens) for r in chunk)
+    W = max(len(r.completion_tokens) for r in chunk)
+    n = len(chunk)
+    ids, att = torch.zeros((n, L), dtype=torch.long), torch.zeros((n, L), dtype=torch.long)
+    pos, tgt = torch.zeros((n, W), dtype=torch.long), torch.zeros((n, W), dtype=torch.long)
+    mask = torch.zeros((n, W))
+    for j, r in enumerate(chunk):
+        seq = r.prompt_tokens + r.completion_tokens
+        P, C = len(r.prompt_tokens), len(r.completion_tokens)
+        ids[j, :len(seq)], att[j, :len(seq)] = torch.tensor(seq), 1
+        # Position t predicts token t + 1: completion token k is predicted at P - 1 + k.
+        pos[j] = torch.clamp(torch.arange(W) + P - 1, max=L - 1)
+        tgt[j, :C], mask[j, :C] = torch.tensor(r.completion_tokens), 1.0
+    h = model.model(input_ids=ids, attention_mask=att).last_hidden_state
+    h = torch.gather(h, 1, pos[..., None].expand(-1, -1, h.shape[-1]))
+    logp = torch.log_softmax(model.lm_head(h).float(), -1).gather(-1, tgt[..., None])[..., 0]
+    return logp, mask
+
+
+def torch_step(model, opt, params, rows, advs, mb: int, ucfg, den: float) -> float:
+    """One GRPO update: micro-batched forward/backward, clip 1.0, AdamW. Returns the loss."""
+    import torch
+
+    total = 0.0
+    for s in range(0, len(rows), mb):
+        chunk = rows[s:s + mb]
+        logp, mask = torch_chunk_logprobs(model, chunk)
+        old = torch.zeros_like(logp)
+        for j, r in enumerate(chunk):
+            old[j, :len(r.logprobs)] = torch.tensor(r.logprobs)
+        a = torch.tensor(advs[s:s + mb], dtype=torch.float32)[:, None]
+        ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        pg = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - ucfg.clip_low, 1 + ucfg.clip_high))
+        pg = torch.where(a < 0, torch.minimum(pg, -a * ucfg.dual_clip), pg)
+        row_mean = (pg * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # seq-mean-token-mean
+        loss = row_mean.sum() / den
+        loss.backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import transformers
+
+    from marl_jax.models import hf
+    from marl_jax.models.loading import load_model
+    from marl_jax.policy.lora import PolicySpec
+    from marl_jax.rl import optim
+    from marl_jax.rl.batch import make_batch, make_groups
+    from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
+
+    t_start = time.perf_counter()
+    print(f"load average at start (1/5/15 min, {os.cpu_count()} cores): "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    m = load_model(args.model)
+    cfg, tok = m.cfg, m.tokenizer
+    base = jax.device_put(m.params)
+    spec = PolicySpec(rank=args.rank, alpha=args.alpha, num_slots=1)
+    trainable0 = start_lora(spec, cfg, base, args.seed)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_hf_dir(d, cfg, m.params)
+        model, params = torch_lora_model(d, cfg, spec, trainable0, args.threads)
+
+    # Old log-probs: the starting policy's own (PyTorch forward, no graph) plus noise, so that the
+    # ratio is near 1 and some tokens clip, as a few steps after sampling.
+    rows = synth_rows(args, cfg.vocab_size, set(tok.eos_token_ids) | {tok.pad_id})
+    t = time.perf_counter()
+    noise = np.random.RandomState(args.seed + 7)
+    with torch.no_grad():
+        for s in range(0, len(rows), args.micro_batch):
+            chunk = rows[s:s + args.micro_batch]
+            logp, _ = torch_chunk_logprobs(model, chunk)
+            for j, r in enumerate(chunk):
+                lp = logp[j, :len(r.completion_tokens)].numpy().astype(np.float64)
+                r.logprobs = [float(x) for x in lp + noise.normal(0.0, 0.1, lp.shape)]
+    old_s = time.perf_counter() - t
+    adv_rng = np.random.RandomState(args.seed + 3)
+    advs = adv_rng.choice([-1.0, 1.0], args.rows) * adv_rng.uniform(0.2, 1.5, args.rows)
+
+    roles = list(ROLE_NAMES[:args.roles])
+    role_to_slot = {r: 0 for r in roles}
+    groups = make_groups(roles, role_to_slot, None)
+    ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False)
+    batch = make_batch(rows, advs.astype(np.float32), role_to_slot=role_to_slot, num_slots=1, groups=groups,
+                       micro_batch=args.micro_batch, pad_id=tok.pad_id, agg=ucfg_off.agg)
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    S, R, T = batch.tokens.shape
+    W = batch.targets.shape[2]
+    comp = sum(len(r.completion_tokens) for r in rows)
+    total = sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rows)
+    print(f"workload: {args.rows} rows ({args.roles} roles sharing one LoRA slot, rank {spec.rank} alpha "
+          f"{spec.alpha} on {len(spec.target_names)} linears per layer), {total} real tokens of which {comp} "
+          f"completion tokens; micro-batch {args.micro_batch}; marl_jax arrays [S={S}, R={R}, T={T}], LM-head "
+          f"window W={W}; {args.model} float32; old log-probs = policy's + N(0, 0.1) ({old_s:.1f}s)")
+
+    peak = matmul_peak()
+    print(f"jitted f32 2048^2 matmul peak: {peak / 1e9:.1f} GFLOP/s")
+
+    # ---- marl_jax ----
+    tx = optim.per_slot(optim.make_optimizer(lr=args.lr, grad_clip=1.0))
+    tables = dict(num_groups=len(groups.names), group_slot=groups.slot,
+                  group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
+                  role_slot=[role_to_slot[r] for r in roles])
+
+    def jax_runner(ucfg):
+        """A fresh state and the step for ucfg; each call of the returned function is one timed step."""
+        step = make_train_step(cfg, spec, ucfg, tx, **tables)
+        box = [init_state(jax.tree_util.tree_map(jnp.array, trainable0), tx)]
+
+        def run() -> tuple[float, float]:
+            t = time.perf_counter()
+            box[0], met = step(box[0], base, batch)
+            loss = float(met["loss"])  # blocks until the step is done
+            dt = time.perf_counter() - t
+            if not bool(met["finite"]):
+                raise RuntimeError("marl_jax step produced a non-finite loss or gradient")
+            return loss, dt
+        return run
+
+    # ---- PyTorch ----
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    den = float(np.asarray(batch.den)[0])
+
+    def torch_run() -> tuple[float, float]:
+        t = time.perf_counter()
+        loss = torch_step(model, opt, params, rows, list(advs), args.micro_batch, ucfg_off, den)
+        return loss, time.perf_counter() - t
+
+    # Warm-ups (marl_jax compiles; PyTorch's first step is untimed too), then timed steps alternately,
+    # so that changes in the machine's load hit both alike.
+    jax_step = jax_runner(ucfg_off)
+    jl, jwarm = jax_step()
+    tl, twarm = torch_run()
+    jlosses, tlosses, jtimes, ttimes = [jl], [tl], [], []
+    for _ in range(args.reps):
+        jl, dt = jax_step()
+        jlosses.append(jl)
+        jtimes.append(dt)
+        tl, dt = torch_run()
+        tlosses.append(tl)
+        ttimes.append(dt)
+    jmed, tmed = statistics.median(jtimes), statistics.median(ttimes)
+
+    exe = step_flops(cfg, spec, S * R * T, T, S * R * W)  # padded shapes, full T x T attention scores
+    ctx_real = np.mean([(len(r.prompt_tokens) + len(r.completion_tokens) + 1) / 2 for r in rows])
+    useful = step_flops(cfg, spec, total, ctx_real, comp)  # real tokens, causal context
+    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
+    print(f"marl_jax step (diagnostics off): median {jmed:.2f}s over {args.reps} ({fmt(jtimes)}); "
+          f"first call incl. compile {jwarm:.1f}s")
+    print(f"pytorch step ({args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"transformers {transformers.__version__}, torch {torch.__version__}): median {tmed:.2f}s over "
+          f"{args.reps} ({fmt(ttimes)}); first step {twarm:.2f}s")
+    print(f"tokens/s, completion tokens: marl_jax {comp / jmed:.1f}, pytorch {comp / tmed:.1f}")
+    print(f"tokens/s, all real tokens (prompt + completion): marl_jax {total / jmed:.1f}, pytorch {total / tmed:.1f}"
+          f" (marl_jax computes {S * R * T} padded positions per step, {S * R * T / jmed:.1f}/s)")
+    print(f"marl_jax achieved: {exe / jmed / 1e9:.1f} GFLOP/s executed ({exe / 1e12:.2f} TFLOP/step, "
+          f"{100 * exe / jmed / peak:.0f}% of the matmul peak), {useful / jmed / 1e9:.1f} GFLOP/s useful "
+          f"({useful / 1e12:.2f} TFLOP/step); pytorch {useful / tmed / 1e9:.1f} GFLOP/s useful")
+    print("FLOP rule: matmuls only. Forward = base linears + attention (q.k, p.v) + LoRA (xA, (xA)B) at every "
+          "position + LM head at scored positions. Backward = 1x base linears and 1x LM head (frozen weights: "
+          "activation gradients only) + 2x attention + 2x LoRA (activation and A/B gradients). 'executed' counts "
+          "marl_jax's padded arrays (S*R*T positions, full TxT scores, head on the W window); 'useful' counts "
+          "real tokens with causal context and the head on completion tokens only")
+    rel = abs(jlosses[0] - tlosses[0]) / max(abs(tlosses[0]), 1e-12)
+    print(f"first-step loss: marl_jax {jlosses[0]:.7f}, pytorch {tlosses[0]:.7f} (relative difference {rel:.1e}); "
+          f"step {len(jlosses)} (after {len(jlosses) - 1} AdamW updates): marl_jax {jlosses[-1]:.7f}, "
+          f"pytorch {tlosses[-1]:.7f}")
+    if rel > 1e-3:
+        print("WARNING: the two first-step losses differ by more than 1e-3 relative: not the same computation")
+
+    if args.diag_reps > 0:
+        diag_step = jax_runner(dataclasses.replace(ucfg_off, diagnostics=True, metrics=True))
+        dl0, dwarm = diag_step()
+        dtimes = [diag_step()[1] for _ in range(args.diag_reps)]
+        print(f"marl_jax step with diagnostics + metrics on ({len(groups.names)} role groups, one backward pass "
+              f"each): median {statistics.median(dtimes):.2f}s over {args.diag_reps} ({fmt(dtimes)}); first call "
+              f"incl. compile {dwarm:.1f}s; first-step loss {dl0:.7f}")
+    print("load average at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+          + f"; whole run {time.perf_counter() - t_start:.0f}s")
+    print(f"speedup={tmed / jmed:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
