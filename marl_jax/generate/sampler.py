@@ -260,7 +260,7 @@ class Sampler:
         expand = np.zeros(B, np.int32)
         for i, p in enumerate(prompts):
             expand[i] = uniq.setdefault(tuple(p), len(uniq))
-        Bu = _batch_bucket(len(uniq), 1)
+        Bu = _batch_bucket(len(uniq), self.min_batch)
         tokens = np.full((Bu, P), self.pad_id, np.int32)
         valid = np.zeros((Bu, P), bool)
         for p, u in uniq.items():

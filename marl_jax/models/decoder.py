@@ -90,10 +90,22 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     flags = dict(_FAMILY_FLAGS[family])
-    if family == "llama":
-        flags["qkv_bias"] = bool(hf.get("attention_bias", False))
+    # Settings transformers honours that this decoder does not implement: refuse them rather than load
+    # a model that silently computes something else.
+    if hf.get("attention_bias") and family in ("llama", "qwen3"):
+        raise ValueError("attention_bias=True checkpoints (biases on q/k/v and o_proj) are not supported")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=True checkpoints are not supported")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={act!r} is not supported; the MLP is SwiGLU (hidden_act='silu')")
+    layer_types = hf.get("layer_types") or []
+    window_layers = (range(hf.get("max_window_layers") or 0, hf["num_hidden_layers"])
+                     if hf.get("use_sliding_window") else ())
+    if any(t != "full_attention" for t in layer_types) or (
+            not layer_types and hf.get("sliding_window") and len(window_layers)):
+        raise ValueError(f"sliding-window attention (use_sliding_window / sliding_window={hf.get('sliding_window')}, "
+                         "layer_types) is not supported; only full attention")
     return ModelConfig(
         family=family,
         vocab_size=hf["vocab_size"],
@@ -136,7 +148,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "torch_dtype": "float32",
     }
     if cfg.family == "llama":
-        out["attention_bias"] = cfg.qkv_bias
+        if cfg.qkv_bias:  # HF's attention_bias also adds an o_proj bias this decoder does not have
+            raise ValueError("a llama config with qkv_bias has no Hugging Face equivalent; use family='qwen2'")
+        out["attention_bias"] = False
         out["mlp_bias"] = False
     if cfg.bos_token_id is not None:
         out["bos_token_id"] = cfg.bos_token_id
