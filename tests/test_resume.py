@@ -1,0 +1,78 @@
+"""A run killed with SIGKILL part-way and restarted on the same workdir reproduces the uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from marl_jax.train.checkpoint import Checkpointer
+from marl_jax.train.loop import TIMING_KEYS
+from marl_jax.train.metrics import read_metrics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def prompt_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prompts")
+    (d / "math.json").write_text(json.dumps({"voting": {
+        "generator": {"system": "", "user": "{{question}}"},
+        "aggregator": {"system": "", "user": "{{solutions}}"},
+        "solution": "{{k}}:{{solution}}\n",
+    }}))
+    return str(d)
+
+
+def _cmd(workdir, prompt_dir, policy):
+    return [sys.executable, os.path.join(HERE, "resume_driver.py"), str(workdir), prompt_dir, policy, str(STEPS)]
+
+
+def _comparable(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def _final_state(workdir):
+    with Checkpointer(str(workdir), read_only=True) as ck:
+        state, meta = ck.restore(STEPS)
+    return state, meta
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["isolated"])
+def test_killed_run_resumes_to_the_same_metrics_and_parameters(policy, prompt_dir, tmp_path):
+    ref, cut = tmp_path / "uninterrupted", tmp_path / "killed"
+    subprocess.run(_cmd(ref, prompt_dir, policy), check=True, capture_output=True, timeout=600)
+
+    proc = subprocess.Popen(_cmd(cut, prompt_dir, policy), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    # Kill once a mid-run checkpoint is committed and a later step has started writing metrics.
+    while time.time() < deadline:
+        steps = Checkpointer(str(cut), read_only=True).all_steps() if (cut / "checkpoints").exists() else []
+        later = [r["step"] for r in read_metrics(str(cut))] if (cut / "metrics.jsonl").exists() else []
+        if steps and 2 <= max(steps) < STEPS and max(later, default=0) > max(steps):
+            break
+        if proc.poll() is not None:
+            pytest.fail("the run finished before it could be killed; lengthen it")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(r["step"] for r in read_metrics(str(cut)))
+    assert killed_at < STEPS
+    subprocess.run(_cmd(cut, prompt_dir, policy), check=True, capture_output=True, timeout=600)
+
+    a, b = _comparable(read_metrics(str(ref))), _comparable(read_metrics(str(cut)))
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert a == b
+    sa, _ = _final_state(ref)
+    sb, _ = _final_state(cut)
+    import jax
+
+    for x, y in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
