@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from common import matmul_peak
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,19 +41,6 @@ def arithmetic_prompts(n: int, seed: int = 0) -> list[str]:
         a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice(ops)
         out.append(f"What is {a} {op} {b}? Give the answer.")
     return out
-
-
-def matmul_peak(n: int = 2048, reps: int = 5) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(reps):
-        f(a).block_until_ready()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t)
 
 
 def main(argv=None):

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from common import matmul_peak
+
 # libgomp's default busy-waiting makes torch's 2 threads many times slower whenever another process
 # holds a core (measured here: 5x on a forward pass); passive waiting costs little on an idle one.
 # Set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
@@ -78,20 +80,6 @@ class Row:
     role: str
     call_index: int = 0
     trained: bool = True
-
-
-def matmul_peak(n: int = 2048, reps: int = 5) -> float:
-    """FLOP/s of a jitted f32 n x n matmul (the machine's attainable rate right now)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(reps):
-        f(a).block_until_ready()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t)
 
 
 def synth_rows(args: argparse.Namespace, vocab: int, special: set[int]) -> list[Row]:

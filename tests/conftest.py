@@ -102,3 +102,17 @@ def torch_threads():
             torch.set_num_threads(before)
 
     return threads
+
+
+@pytest.fixture(scope="session")
+def prompt_dir(tmp_path_factory):
+    """Minimal voting prompts ("<question>" / "<k>:<solution>") for tiny-model training tests."""
+    import json
+
+    d = tmp_path_factory.mktemp("prompts")
+    (d / "math.json").write_text(json.dumps({"voting": {
+        "generator": {"system": "", "user": "{{question}}"},
+        "aggregator": {"system": "", "user": "{{solutions}}"},
+        "solution": "{{k}}:{{solution}}\n",
+    }}))
+    return str(d)

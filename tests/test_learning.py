@@ -7,7 +7,6 @@ update, validation), once with one shared slot and once with a slot per role.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -32,17 +31,6 @@ def tiny_tokenizer():
 
 def digit_tasks(n: int) -> list[Task]:
     return [Task(f"digit/{i}", "math", str(i % 10), str(i % 10)) for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def prompt_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("prompts")
-    (d / "math.json").write_text(json.dumps({"voting": {
-        "generator": {"system": "", "user": "{{question}}"},
-        "aggregator": {"system": "", "user": "{{solutions}}"},
-        "solution": "{{k}}:{{solution}}\n",
-    }}))
-    return str(d)
 
 
 def learning_config(policy: str, prompt_dir: str):

@@ -1,7 +1,6 @@
 """A run killed with SIGKILL part-way and restarted on the same workdir reproduces the uninterrupted run."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,17 +16,6 @@ from marl_jax.train.metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def prompt_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("prompts")
-    (d / "math.json").write_text(json.dumps({"voting": {
-        "generator": {"system": "", "user": "{{question}}"},
-        "aggregator": {"system": "", "user": "{{solutions}}"},
-        "solution": "{{k}}:{{solution}}\n",
-    }}))
-    return str(d)
 
 
 def _cmd(workdir, prompt_dir, policy):

@@ -50,7 +50,7 @@ _log = logging.getLogger(__name__)
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 
-def _match_braces(text: str, open_idx: int) -> int | None:
+def match_braces(text: str, open_idx: int) -> int | None:
     """Index of the '}' closing the '{' at open_idx, or None if unbalanced.
 
     Escaped braces (``\\{``, ``\\}``) are literal characters in TeX, not groups, so they are skipped.
@@ -78,7 +78,7 @@ def _box_content(text: str, end: int) -> str | None:
     stripped = rest.lstrip()
     if stripped.startswith("{"):
         open_idx = end + (len(rest) - len(stripped))
-        close_idx = _match_braces(text, open_idx)
+        close_idx = match_braces(text, open_idx)
         return None if close_idx is None else text[open_idx + 1 : close_idx].strip()
     if rest[:1].isspace():  # brace-less "\boxed 5"
         m = re.match(r"[^\s$]+", stripped)

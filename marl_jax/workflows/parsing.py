@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from marl_jax.tasks.math import match_braces  # one brace matcher for every parser
+
 __all__ = [
     "boxed_contents",
     "last_boxed",
@@ -17,25 +19,6 @@ __all__ = [
 ]
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-
-
-def _closing_brace(text: str, open_idx: int) -> int | None:
-    """Index of the '}' that closes the '{' at open_idx (TeX-escaped braces skipped), or None."""
-    depth = 0
-    i = open_idx
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
 
 
 def boxed_contents(text: str) -> list[str]:
@@ -50,7 +33,7 @@ def boxed_contents(text: str) -> list[str]:
         while j < len(text) and text[j] == " ":
             j += 1
         if j < len(text) and text[j] == "{":
-            k = _closing_brace(text, j)
+            k = match_braces(text, j)
             if k is not None:
                 out.append(text[j + 1:k])
         elif j > m.end():
