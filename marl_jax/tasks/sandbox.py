@@ -279,6 +279,11 @@ def _sv_isolate_filesystem(spec: dict) -> str:
     mount("tmpfs", root, "tmpfs", nosuid | nodev, "mode=0755,size=1m")
     for link, target in links.items():
         os.symlink(target, root + link)
+    # The private /tmp first: a Python installed under /tmp (a CI virtualenv) is then bound inside it.
+    uid = spec["uid"]
+    os.makedirs(root + "/tmp", 0o755)
+    mount("tmpfs", root + "/tmp", "tmpfs", nosuid | nodev,
+          f"size={spec['disk_mb']}m,nr_inodes=4096,mode=0700,uid={uid},gid={uid}")
     for d in dirs:
         os.makedirs(root + d, 0o755, exist_ok=True)
         mount(f"/proc/self/fd/{sources[d]}", root + d, None, bind)
@@ -296,10 +301,6 @@ def _sv_isolate_filesystem(spec: dict) -> str:
     mount("tmpfs", root + "/dev/shm", "tmpfs", nosuid | nodev, "mode=1777,size=16m")
     for fd in sources.values():
         os.close(fd)
-    uid = spec["uid"]
-    os.makedirs(root + "/tmp", 0o755)
-    mount("tmpfs", root + "/tmp", "tmpfs", nosuid | nodev,
-          f"size={spec['disk_mb']}m,nr_inodes=4096,mode=0700,uid={uid},gid={uid}")
     mount(None, root, None, remount | rdonly | nosuid | nodev)
     os.chroot(root)
     os.chdir("/")
