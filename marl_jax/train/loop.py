@@ -8,6 +8,7 @@ resumed from its last checkpoint produces the metrics it would have produced uni
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any
@@ -101,6 +102,9 @@ class Trainer:
         self.progress = progress
         os.makedirs(workdir, exist_ok=True)
         self.rt = rt = build(config, model=model, tasks=tasks)
+        if jax.process_index() == 0:  # what the run was, for sweeps and reports
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                json.dump(_jsonable(config.to_dict()), f, indent=1, sort_keys=True)
         self.copies = parallel_copies(rt.workflow) if config.grpo.copy_alignment else {}
         self.groups = make_groups(rt.roles, rt.role_to_slot, self.copies)
         g = config.grpo
