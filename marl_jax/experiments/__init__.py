@@ -1,0 +1,1 @@
+"""Experiment sweeps over workflows, policies, models and tasks, and their reports."""
