@@ -1,0 +1,726 @@
+"""Sweep report: per-cell numbers, base-relative heatmaps, Isolated-vs-Shared comparison, curves, cliffs.
+
+A sweep root holds one run folder per cell, ``<root>/<cell>/``, with ``config.json`` (written by the
+trainer), ``cell.json`` (written by the sweep; preferred where both say something) and
+``metrics.jsonl`` (:mod:`marl_jax.train.metrics`). Everything here is a pure function of those files:
+:func:`load_cells` -> :func:`summarize` (one flat dict per cell) -> figures and tables;
+:func:`write_report` puts them in a folder with a ``README.md``.
+
+Numbers, all from the ``val/success`` curve:
+
+- ``base``: the matching base cell's value (kind ``"base"``; same workflow, task, model and variant;
+  same seed when one exists, else the mean over its seeds), else the run's own step-0 validation
+  (``base_from="step0"`` always uses step 0).
+- ``peak``: the maximum over trained checkpoints (step > 0; earliest on ties) and its step.
+- ``final``: the value at the last validated step.
+- ``delta_peak`` / ``delta_final``: ``peak - base`` / ``final - base``.
+- ``cliff_step``: :func:`marl_jax.train.cliff.detect_cliff` on the whole curve (step 0 included).
+
+Per role: the final ``val/<role>/accuracy`` and the mean of ``grad/<role>/share`` over train steps.
+
+A cell's ``status`` is ``"ok"``, ``"incomplete"`` (metrics stop before ``train.steps`` and the run
+did not finish: still running, or killed) or ``"missing"`` (no metrics, unreadable metrics, no
+validation after step 0, or the sweep marked the run failed); ``problem`` says why. Aggregate
+figures use ``"ok"`` cells (and ``"incomplete"`` ones with ``include_incomplete``); every cell is
+listed in the tables, the others flagged.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from marl_jax.config import MODELS
+from marl_jax.train.cliff import DEFAULTS as CLIFF_DEFAULTS
+from marl_jax.train.cliff import detect_cliff, trailing_mean
+from marl_jax.train.metrics import read_metrics
+from marl_jax.train.summary import TRAIN_WINDOW, curve, infer_roles, merge_by_step
+
+__all__ = ["Cell", "Grid", "all_roles", "load_cells", "load_cell", "summarize", "model_label", "model_scale", "heatmap_grids",
+           "heatmap_figure", "match_ip_sp", "ip_sp_figure", "curves_figures", "grad_figures", "cells_csv",
+           "cells_table", "cliff_table", "ip_sp_table", "write_report", "WORKFLOW_ORDER", "FIELDS"]
+
+WORKFLOW_ORDER = ("single_agent", "eval_opt", "voting", "orch_workers")
+FAILED_STATUSES = ("failed", "error", "crashed", "killed", "timeout")
+# Override keys that name what a cell already records (its coordinates), not a variant of the method.
+_COORD_KEYS = {"policy", "workflow", "seed", "train.seed", "model", "model.name", "model.dtype", "task",
+               "task.kind", "preset", "workdir"}
+PANELS_PER_PAGE = 20
+_PAGE_COLS = 5
+# Fixed columns of the per-cell table and cells.csv; per-role columns follow.
+FIELDS = ("name", "kind", "status", "problem", "workflow", "policy", "task", "model", "scale_b", "seed",
+          "variant", "base", "base_source", "peak", "peak_step", "final", "final_step", "delta_peak",
+          "delta_final", "cliff_step", "last_step", "planned_steps")
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One run folder of a sweep. ``records`` is empty and ``problem`` set when it has no usable metrics."""
+
+    name: str
+    workdir: str
+    kind: str  # "train" | "base"
+    workflow: str
+    policy: str
+    task: str
+    model: str  # short label (a preset key where the name is one, else the folder's basename)
+    seed: int | None
+    variant: str  # non-coordinate overrides, "" when none
+    planned_steps: int | None
+    finished: bool  # the trainer wrote its summary (a run stopped on a cliff also counts)
+    records: tuple[dict, ...]
+    problem: str | None
+
+
+def _read_json(path: str) -> tuple[dict | None, str | None]:
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        return None, f"unreadable {os.path.basename(path)} ({e})"
+    if not isinstance(data, dict):
+        return None, f"{os.path.basename(path)} is not a JSON object"
+    return data, None
+
+
+def model_label(name: Any) -> str:
+    """Short model label: the preset key for a preset's model name, else the path's last component."""
+    name = str(name or "?")
+    for key, full in MODELS.items():
+        if name in (key, full):
+            return key
+    return os.path.basename(name.rstrip("/\\")) or name
+
+
+def model_scale(label: str) -> float | None:
+    """Parameters in billions read from a model label ("qwen3-1.7b" -> 1.7, "smollm2-135m" -> 0.135)."""
+    m = re.search(r"(?<![a-z0-9.])(\d+(?:\.\d+)?)([mb])(?![a-z])", label.lower().replace("_", "-"))
+    if not m:
+        return None
+    return float(m.group(1)) * (1e-3 if m.group(2) == "m" else 1.0)
+
+
+def _variant(overrides: Any) -> str:
+    """Canonical text of the overrides that are not cell coordinates (policy, seed, model, ...)."""
+    if not overrides:
+        return ""
+    if isinstance(overrides, Mapping):
+        items = [(str(k), overrides[k]) for k in overrides]
+    elif isinstance(overrides, (list, tuple)):
+        items = []
+        for o in overrides:
+            k, _, v = str(o).partition("=")
+            items.append((k, v))
+    else:
+        items = [(str(overrides), "")]
+    keep = []
+    for k, v in items:
+        bare = k.lstrip("-")
+        bare = bare[len("config."):] if bare.startswith("config.") else bare
+        if bare not in _COORD_KEYS:
+            keep.append(f"{bare}={json.dumps(v) if not isinstance(v, str) else v}")
+    return ",".join(sorted(keep))
+
+
+def _failure(cell_json: Mapping[str, Any]) -> str | None:
+    status = str(cell_json.get("status", "")).lower()
+    if status in FAILED_STATUSES:
+        return f"run {status}" + (f": {cell_json['error']}" if cell_json.get("error") else "")
+    for key in ("returncode", "exit_code", "rc"):
+        rc = cell_json.get(key)
+        if isinstance(rc, int) and not isinstance(rc, bool) and rc != 0:
+            return f"run failed ({key} {rc})"
+    return None
+
+
+def load_cell(workdir: str | os.PathLike) -> Cell:
+    """Reads one run folder; problems (no metrics, a failed run, unreadable files) go in ``problem``."""
+    workdir = os.fspath(workdir)
+    cj, cerr = _read_json(os.path.join(workdir, "cell.json"))
+    cfg, ferr = _read_json(os.path.join(workdir, "config.json"))
+    cj, cfg = cj or {}, cfg or {}
+    problem = cerr or ferr or _failure(cj)
+    train = cfg.get("train") if isinstance(cfg.get("train"), Mapping) else {}
+    task_cfg = cfg.get("task") if isinstance(cfg.get("task"), Mapping) else {}
+    model_cfg = cfg.get("model") if isinstance(cfg.get("model"), Mapping) else {}
+    task = cj.get("task", task_cfg.get("kind", "?"))
+    if isinstance(task, Mapping):
+        task = task.get("kind", "?")
+    steps = train.get("steps")
+    planned = int(steps) if isinstance(steps, (int, float)) and not isinstance(steps, bool) else None
+    seed = cj.get("seed", train.get("seed"))
+    kind = cj.get("kind") or ("base" if planned == 0 else "train")
+    records: list[dict] = []
+    if problem is None:
+        try:
+            records = read_metrics(workdir)
+        except FileNotFoundError:
+            problem = "no metrics.jsonl"
+        except (ValueError, OSError) as e:
+            problem = f"unreadable metrics ({e})"
+    if problem is None and not records:
+        problem = "metrics.jsonl is empty"
+    return Cell(
+        name=str(cj.get("name") or os.path.basename(workdir.rstrip("/\\"))), workdir=workdir, kind=str(kind),
+        workflow=str(cj.get("workflow", cfg.get("workflow", "?"))),
+        policy=str(cj.get("policy", cfg.get("policy", "?"))), task=str(task),
+        model=model_label(cj.get("model", model_cfg.get("name"))),
+        seed=int(seed) if isinstance(seed, (int, float)) and not isinstance(seed, bool) else None,
+        variant=_variant(cj.get("overrides")), planned_steps=planned,
+        finished=os.path.isfile(os.path.join(workdir, "summary.md")),
+        records=tuple(records) if problem is None else (), problem=problem)
+
+
+def load_cells(root: str | os.PathLike) -> list[Cell]:
+    """Every run folder directly under ``root`` (one holding cell.json, config.json or metrics.jsonl)."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"sweep root {root!r} is not a folder; pass the folder holding one run folder per cell")
+    cells = []
+    for entry in sorted(os.listdir(root)):
+        d = os.path.join(root, entry)
+        if os.path.isdir(d) and any(os.path.isfile(os.path.join(d, f))
+                                    for f in ("cell.json", "config.json", "metrics.jsonl")):
+            cells.append(load_cell(d))
+    if not cells:
+        raise FileNotFoundError(f"no run folders under {root!r} (expected <root>/<cell>/cell.json or config.json)")
+    return cells
+
+
+# -- per-cell numbers ----------------------------------------------------------------------------
+
+def _workflow_rank(w: str) -> tuple[int, str]:
+    return (WORKFLOW_ORDER.index(w) if w in WORKFLOW_ORDER else len(WORKFLOW_ORDER), w)
+
+
+def _scale_rank(model: str) -> tuple[float, str]:
+    s = model_scale(model)
+    return (s if s is not None else math.inf, model)
+
+
+def _sort_key(s: Mapping[str, Any]) -> tuple:
+    return (s["kind"] != "train", s["task"], _workflow_rank(s["workflow"]), _scale_rank(s["model"]), s["policy"],
+            s["variant"], s["seed"] if s["seed"] is not None else -1, s["name"])
+
+
+def _own_numbers(cell: Cell, cliff_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: None for k in ("step0", "peak", "peak_step", "final", "final_step", "cliff_step",
+                                             "cliff_peak_step", "cliff_peak_value", "last_step")}
+    out.update(role_acc={}, role_share={}, roles=[])
+    if not cell.records:
+        return out
+    merged = merge_by_step(cell.records)
+    out["last_step"] = max(merged)
+    roles = infer_roles(cell.records)
+    out["roles"] = roles
+    s, v = curve(merged, "val/success")
+    if len(v):
+        out["step0"] = float(v[0]) if s[0] == 0 else None
+        trained = s > 0
+        if trained.any():
+            i = int(np.argmax(v[trained]))
+            out["peak"], out["peak_step"] = float(v[trained][i]), int(s[trained][i])
+        out["final"], out["final_step"] = float(v[-1]), int(s[-1])
+        rep = detect_cliff(s, v, **cliff_kwargs)
+        if rep.detected:
+            out.update(cliff_step=rep.step, cliff_peak_step=rep.peak_step, cliff_peak_value=rep.peak_value)
+    for r in roles:
+        rs, rv = curve(merged, f"val/{r}/accuracy")
+        if len(rv):
+            out["role_acc"][r] = float(rv[-1])
+        gs, gv = curve(merged, f"grad/{r}/share")
+        if len(gv):
+            out["role_share"][r] = float(gv.mean())
+    return out
+
+
+def _status(cell: Cell, own: Mapping[str, Any]) -> tuple[str, str | None]:
+    if cell.problem:
+        return "missing", cell.problem
+    if own["final"] is None:
+        return "missing", "no val/success record"
+    if cell.kind == "train" and own["peak"] is None:
+        return "missing", "no validation after step 0"
+    if (cell.planned_steps is not None and own["last_step"] < cell.planned_steps and not cell.finished):
+        return "incomplete", f"metrics stop at step {own['last_step']} of {cell.planned_steps}"
+    return "ok", None
+
+
+def _base_cell_value(own: Mapping[str, Any]) -> float | None:
+    return own["step0"] if own["step0"] is not None else own["final"]
+
+
+def summarize(cells: Sequence[Cell], *, base_from: str = "cell", **cliff_kwargs: Any) -> list[dict[str, Any]]:
+    """One flat dict per cell (keys :data:`FIELDS` plus ``role_acc`` / ``role_share`` dicts and
+    ``cliff_peak_step`` / ``cliff_peak_value``), sorted by task, workflow, model scale, policy, seed.
+
+    ``base_from``: ``"cell"`` (a matching base cell when there is one, else step 0) or ``"step0"``.
+    ``cliff_kwargs`` go to :func:`marl_jax.train.cliff.detect_cliff`.
+    """
+    if base_from not in ("cell", "step0"):
+        raise ValueError(f"base_from must be 'cell' or 'step0', got {base_from!r}")
+    owns = [_own_numbers(c, cliff_kwargs) for c in cells]
+    # base cells with a value, by (workflow, task, model, variant) -> {seed: value}
+    bases: dict[tuple, dict[Any, tuple[float, str]]] = {}
+    for c, own in zip(cells, owns):
+        if c.kind == "base" and not c.problem and _base_cell_value(own) is not None:
+            bases.setdefault((c.workflow, c.task, c.model, c.variant), {})[c.seed] = (_base_cell_value(own), c.name)
+    out = []
+    for c, own in zip(cells, owns):
+        status, problem = _status(c, own)
+        base, source = None, None
+        if c.kind == "base":
+            base, source = _base_cell_value(own), "this cell"
+        else:
+            found = bases.get((c.workflow, c.task, c.model, c.variant)) if base_from == "cell" else None
+            if found and c.seed in found:
+                base, source = found[c.seed][0], f"base cell {found[c.seed][1]}"
+            elif found:
+                base = float(np.mean([v for v, _ in found.values()]))
+                source = f"mean of base cells {', '.join(sorted(n for _, n in found.values()))}"
+            elif own["step0"] is not None:
+                base, source = own["step0"], "step 0"
+        train = c.kind == "train"
+        row = {
+            "name": c.name, "kind": c.kind, "status": status, "problem": problem, "workflow": c.workflow,
+            "policy": c.policy, "task": c.task, "model": c.model, "scale_b": model_scale(c.model), "seed": c.seed,
+            "variant": c.variant, "base": base, "base_source": source,
+            "peak": own["peak"] if train else None, "peak_step": own["peak_step"] if train else None,
+            "final": own["final"] if train else None, "final_step": own["final_step"] if train else None,
+            "delta_peak": None, "delta_final": None, "cliff_step": own["cliff_step"],
+            "cliff_peak_step": own["cliff_peak_step"], "cliff_peak_value": own["cliff_peak_value"],
+            "last_step": own["last_step"], "planned_steps": c.planned_steps,
+            "roles": own["roles"], "role_acc": own["role_acc"], "role_share": own["role_share"],
+        }
+        if base is not None and row["peak"] is not None:
+            row["delta_peak"] = row["peak"] - base
+        if base is not None and row["final"] is not None:
+            row["delta_final"] = row["final"] - base
+        out.append(row)
+    return sorted(out, key=_sort_key)
+
+
+def _usable(s: Mapping[str, Any], include_incomplete: bool) -> bool:
+    return s["kind"] == "train" and (s["status"] == "ok" or (include_incomplete and s["status"] == "incomplete"))
+
+
+def all_roles(summaries: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Roles of every cell in first-seen order (fixes each role's color across figures)."""
+    roles: list[str] = []
+    for s in summaries:
+        roles += [r for r in s["roles"] if r not in roles]
+    return roles
+
+
+# -- heatmaps ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """One heatmap panel: ``values[i, j]`` is the mean over seeds for workflow ``rows[i]`` and model
+    ``cols[j]`` (NaN where no usable cell), ``counts[i, j]`` how many cells it averages."""
+
+    task: str
+    policy: str
+    variant: str
+    rows: tuple[str, ...]
+    cols: tuple[str, ...]
+    values: np.ndarray
+    counts: np.ndarray
+
+
+def heatmap_grids(summaries: Sequence[Mapping[str, Any]], metric: str, *,
+                  include_incomplete: bool = False) -> list[Grid]:
+    """Panels (task x policy x variant, over every train cell listed, usable or not) of ``metric``
+    (e.g. ``"delta_final"``) on workflow rows x model-scale columns; a missing combination stays NaN."""
+    train = [s for s in summaries if s["kind"] == "train"]
+    rows = tuple(sorted({s["workflow"] for s in train}, key=_workflow_rank))
+    cols = tuple(sorted({s["model"] for s in train}, key=_scale_rank))
+    tasks = sorted({s["task"] for s in train})
+    policies = sorted({s["policy"] for s in train}, key=lambda p: (p != "shared", p))
+    variants = sorted({s["variant"] for s in train})
+    grids = []
+    for variant in variants:
+        for task in tasks:
+            for policy in policies:
+                acc = np.zeros((len(rows), len(cols)))
+                n = np.zeros((len(rows), len(cols)), np.int64)
+                for s in train:
+                    if ((s["task"], s["policy"], s["variant"]) == (task, policy, variant)
+                            and _usable(s, include_incomplete) and s[metric] is not None):
+                        i, j = rows.index(s["workflow"]), cols.index(s["model"])
+                        acc[i, j] += s[metric]
+                        n[i, j] += 1
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    vals = np.where(n > 0, acc / np.maximum(n, 1), np.nan)
+                grids.append(Grid(task, policy, variant, rows, cols, vals, n))
+    return grids
+
+
+def _new_figure(w: float, h: float) -> Figure:
+    fig = Figure(figsize=(w, h), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def heatmap_figure(grids: Sequence[Grid], title: str) -> Figure:
+    """One panel per grid (rows: task, columns: policy and variant), a diverging color scale centred
+    on 0 shared by all panels, each square annotated with its value ("n/a" when empty)."""
+    if not grids:
+        raise ValueError("no heatmap panels: the sweep has no train cells")
+    prow = sorted({g.task for g in grids})
+    pcol = list(dict.fromkeys((g.policy, g.variant) for g in grids))
+    nr, nc = len(grids[0].rows), len(grids[0].cols)
+    fig = _new_figure(max(4.0, 1.1 * nc + 2.2) * len(pcol) + 0.8, max(2.6, 0.55 * nr + 1.6) * len(prow))
+    finite = np.concatenate([g.values[np.isfinite(g.values)] for g in grids])
+    lim = max(float(np.abs(finite).max()) if finite.size else 0.0, 0.05)
+    import matplotlib
+
+    cmap = matplotlib.colormaps["RdBu"].with_extremes(bad="white")
+    im = None
+    for g in grids:
+        ax = fig.add_subplot(len(prow), len(pcol), prow.index(g.task) * len(pcol) + pcol.index((g.policy, g.variant)) + 1)
+        im = ax.imshow(np.ma.masked_invalid(g.values), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto")
+        ax.set_xticks(range(nc), g.cols, fontsize=8, rotation=20)
+        ax.set_yticks(range(nr), g.rows, fontsize=8)
+        ax.set_xticks(np.arange(nc + 1) - 0.5, minor=True)
+        ax.set_yticks(np.arange(nr + 1) - 0.5, minor=True)
+        ax.grid(which="minor", color="lightgray", lw=0.8)
+        ax.tick_params(which="minor", length=0)
+        for i in range(nr):
+            for j in range(nc):
+                v = g.values[i, j]
+                if math.isfinite(v):
+                    txt = f"{v:+.3f}" + (f"\n(n={g.counts[i, j]})" if g.counts[i, j] > 1 else "")
+                    color = "white" if abs(v) > 0.6 * lim else "black"
+                else:
+                    txt, color = "n/a", "gray"
+                ax.text(j, i, txt, ha="center", va="center", fontsize=8, color=color)
+        ax.set_title(f"{g.task} / {g.policy}" + (f" / {g.variant}" if g.variant else ""), fontsize=9)
+    fig.colorbar(im, ax=fig.axes, shrink=0.8, label="val/success change vs base")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+# -- Isolated vs Shared --------------------------------------------------------------------------
+
+def match_ip_sp(summaries: Sequence[Mapping[str, Any]], *, include_incomplete: bool = False
+                ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Pairs of usable train cells equal in workflow, task, model, seed and variant, one shared and
+    one isolated. Returns ``(pairs, unmatched cell names)``; a pair holds both names and their
+    ``peak`` / ``final`` (``sp_*``, ``ip_*``)."""
+    groups: dict[tuple, dict[str, list]] = {}
+    for s in summaries:
+        if _usable(s, include_incomplete) and s["policy"] in ("shared", "isolated"):
+            key = (s["workflow"], s["task"], s["model"], s["seed"], s["variant"])
+            groups.setdefault(key, {"shared": [], "isolated": []})[s["policy"]].append(s)
+    pairs, unmatched = [], []
+    for key, g in groups.items():
+        sp, ip = sorted(g["shared"], key=lambda s: s["name"]), sorted(g["isolated"], key=lambda s: s["name"])
+        for a, b in zip(sp, ip):
+            pairs.append({"workflow": key[0], "task": key[1], "model": key[2], "seed": key[3], "variant": key[4],
+                          "shared": a["name"], "isolated": b["name"], "sp_peak": a["peak"], "ip_peak": b["peak"],
+                          "sp_final": a["final"], "ip_final": b["final"]})
+        unmatched += [s["name"] for s in (sp[len(ip):] + ip[len(sp):])]
+    pairs.sort(key=lambda p: (p["task"], _workflow_rank(p["workflow"]), _scale_rank(p["model"]),
+                              p["variant"], p["seed"] if p["seed"] is not None else -1))
+    return pairs, sorted(unmatched)
+
+
+def ip_sp_figure(pairs: Sequence[Mapping[str, Any]]) -> tuple[Figure, dict[str, np.ndarray]]:
+    """Scatter of Isolated (y) against Shared (x) val/success, peak (circles) and final (squares),
+    colored by workflow, with the diagonal. Returns the figure and the drawn points,
+    ``{"peak": (n, 2) array of (sp, ip), "final": ...}`` in ``pairs`` order."""
+    fig = _new_figure(5.6, 5.0)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.grid(True, alpha=0.3)
+    drawn = {m: np.array([[p[f"sp_{m}"], p[f"ip_{m}"]] for p in pairs], np.float64).reshape(-1, 2)
+             for m in ("peak", "final")}
+    workflows = sorted({p["workflow"] for p in pairs}, key=_workflow_rank)
+    colors = [f"C{workflows.index(p['workflow']) % 10}" for p in pairs]
+    for m, marker, fill in (("peak", "o", True), ("final", "s", False)):
+        if len(drawn[m]):
+            ax.scatter(drawn[m][:, 0], drawn[m][:, 1], marker=marker, s=36, linewidths=1.3,
+                       c=colors if fill else "none", edgecolors=colors, label=m, zorder=3)
+    pts = np.concatenate([drawn["peak"], drawn["final"]]) if pairs else np.zeros((0, 2))
+    lo = min(0.0, float(pts.min())) if len(pts) else 0.0
+    hi = max(1.0, float(pts.max())) if len(pts) else 1.0
+    ax.plot([lo, hi], [lo, hi], color="gray", ls="--", lw=1, zorder=1)
+    ax.set(xlim=(lo - 0.02, hi + 0.02), ylim=(lo - 0.02, hi + 0.02), xlabel="Shared policy val/success",
+           ylabel="Isolated policy val/success", title="Isolated vs Shared, matched cells\n(above the diagonal: Isolated better)")
+    handles = [ax.scatter([], [], marker="o", color="black", label="peak"),
+               ax.scatter([], [], marker="s", facecolors="none", edgecolors="black", label="final")]
+    handles += [ax.scatter([], [], marker="o", color=f"C{i % 10}", label=w) for i, w in enumerate(workflows)]
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    if not pairs:
+        ax.text(0.5, 0.5, "no matched shared/isolated cells", ha="center", va="center", transform=ax.transAxes,
+                color="gray")
+    return fig, drawn
+
+
+# -- small multiples -----------------------------------------------------------------------------
+
+def _pages(items: Sequence[Any]) -> list[Sequence[Any]]:
+    return [items[i:i + PANELS_PER_PAGE] for i in range(0, len(items), PANELS_PER_PAGE)] or [[]]
+
+
+def _grid_figure(n: int) -> tuple[Figure, list]:
+    cols = min(max(n, 1), _PAGE_COLS)
+    rows = max(1, math.ceil(n / cols))
+    fig = _new_figure(3.3 * cols, 2.5 * rows + 0.4)
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(n)]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(which="both", labelsize=7)
+    return fig, axes
+
+
+def _cells_with_records(cells: Sequence[Cell], summaries: Sequence[Mapping[str, Any]]) -> list[tuple]:
+    by_name = {c.name: c for c in cells}
+    return [(s, by_name[s["name"]]) for s in summaries
+            if s["kind"] == "train" and s["name"] in by_name and by_name[s["name"]].records]
+
+
+def curves_figures(cells: Sequence[Cell], summaries: Sequence[Mapping[str, Any]]
+                   ) -> list[tuple[Figure, dict[str, dict[str, Any]]]]:
+    """Pages of panels, one per train cell with metrics: val/success (black dots), train success
+    smoothed over ``TRAIN_WINDOW`` steps (gray), the base (dotted) and a detected cliff (red X).
+    Each page comes with what it drew per cell: ``{"val": (steps, values), "train": (steps, smoothed),
+    "base": float|None, "cliff": (step, value)|None}``."""
+    pages = []
+    for page in _pages(_cells_with_records(cells, summaries)):
+        fig, axes = _grid_figure(len(page))
+        drawn: dict[str, dict[str, Any]] = {}
+        for ax, (s, c) in zip(axes, page):
+            merged = merge_by_step(c.records)
+            vs, vv = curve(merged, "val/success")
+            ts, tv = curve(merged, "success")
+            smooth = trailing_mean(tv, TRAIN_WINDOW) if len(tv) else tv
+            d: dict[str, Any] = {"val": (vs, vv), "train": (ts, smooth), "base": s["base"], "cliff": None}
+            if len(ts):
+                ax.plot(ts, smooth, color="tab:gray", lw=1.2, label=f"train success (mean of {TRAIN_WINDOW})")
+            if len(vs):
+                ax.plot(vs, vv, "o-", color="black", ms=3, lw=1.2, label="val/success")
+            if s["base"] is not None:
+                ax.axhline(s["base"], color="tab:blue", ls=":", lw=1.2, label="base")
+            if s["cliff_step"] is not None:
+                y = float(vv[list(vs).index(s["cliff_step"])])
+                ax.axvline(s["cliff_step"], color="red", ls="--", lw=0.9)
+                ax.plot([s["cliff_step"]], [y], "X", color="red", ms=9, zorder=5, label="cliff")
+                d["cliff"] = (s["cliff_step"], y)
+            ax.set_title(s["name"] + ("" if s["status"] == "ok" else f" [{s['status']}]"), fontsize=8)
+            ax.set_ylim(-0.03, 1.03)
+            drawn[s["name"]] = d
+        if axes:
+            axes[0].legend(fontsize=6, loc="best")
+        fig.suptitle("Validation and smoothed train success per cell (dotted: base; X: terminal cliff)", fontsize=10)
+        pages.append((fig, drawn))
+    return pages
+
+
+def grad_figures(cells: Sequence[Cell], summaries: Sequence[Mapping[str, Any]], which: str
+                 ) -> list[tuple[Figure, dict[str, dict[str, tuple]]]]:
+    """Pages of per-cell panels of per-role gradient traces, smoothed over ``TRAIN_WINDOW`` steps.
+    ``which="norm"``: ``grad/<role>/norm`` on a log axis; ``which="share"``: ``grad/<role>/share``
+    (solid) and ``grad/<role>/norm_share`` (dashed). A role has one color in every panel. Each page
+    comes with ``{cell: {key: (steps, smoothed)}}``."""
+    if which not in ("norm", "share"):
+        raise ValueError(f"which must be 'norm' or 'share', got {which!r}")
+    color = {r: f"C{i % 10}" for i, r in enumerate(all_roles(summaries))}
+    pages = []
+    for page in _pages(_cells_with_records(cells, summaries)):
+        fig, axes = _grid_figure(len(page))
+        drawn: dict[str, dict[str, tuple]] = {}
+        for ax, (s, c) in zip(axes, page):
+            merged = merge_by_step(c.records)
+            d: dict[str, tuple] = {}
+            for r in s["roles"]:
+                keys = [(f"grad/{r}/norm", "-")] if which == "norm" else [(f"grad/{r}/share", "-"),
+                                                                          (f"grad/{r}/norm_share", "--")]
+                for key, ls in keys:
+                    gs, gv = curve(merged, key)
+                    if which == "norm":
+                        gs, gv = gs[gv > 0], gv[gv > 0]  # log axis
+                    if len(gv):
+                        sm = trailing_mean(gv, TRAIN_WINDOW)
+                        ax.plot(gs, sm, color=color[r], ls=ls, lw=1.3, label=key.split("/", 1)[1])
+                        d[key] = (gs, sm)
+            if not d:
+                ax.text(0.5, 0.5, "no gradient diagnostics", ha="center", va="center", transform=ax.transAxes,
+                        color="gray", fontsize=8)
+            elif which == "norm":
+                ax.set_yscale("log")
+            else:
+                ax.axhline(0, color="black", lw=0.5)
+            ax.set_title(s["name"], fontsize=8)
+            drawn[s["name"]] = d
+        from matplotlib.lines import Line2D
+
+        shown = [r for r in color if any(k.startswith(f"grad/{r}/") for d in drawn.values() for k in d)]
+        if shown:  # one legend per page: a role has the same color in every panel
+            fig.legend(handles=[Line2D([], [], color=color[r], lw=1.5, label=r) for r in shown],
+                       loc="outside lower center", ncols=min(len(shown), 6), fontsize=8)
+        title = ("Per-role gradient norm" if which == "norm" else
+                 "Per-role gradient share (solid: share; dashed: norm share)")
+        fig.suptitle(f"{title}, mean of last {TRAIN_WINDOW} steps", fontsize=10)
+        pages.append((fig, drawn))
+    return pages
+
+
+# -- tables --------------------------------------------------------------------------------------
+
+def _fmt(x: Any, signed: bool = False) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "-"
+        return f"{x:+.3f}" if signed else f"{x:.3f}"
+    return str(x)
+
+
+def _md(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    esc = lambda x: str(x).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(esc(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def cells_table(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown table, one row per cell: base, peak (step), final, deltas, cliff step, per-role final
+    accuracy and mean gradient share."""
+    roles = all_roles(summaries)
+    header = ["cell", "workflow", "policy", "task", "model", "seed", "status", "base", "peak", "peak step", "final",
+              "Δ peak", "Δ final", "cliff step"]
+    header += [f"acc {r}" for r in roles] + [f"share {r}" for r in roles]
+    rows = []
+    for s in summaries:
+        rows.append([s["name"] + (" (base)" if s["kind"] == "base" else ""), s["workflow"],
+                     "-" if s["kind"] == "base" else s["policy"], s["task"], s["model"], _fmt(s["seed"]),
+                     s["status"] + (f": {s['problem']}" if s["problem"] else ""), _fmt(s["base"]), _fmt(s["peak"]),
+                     _fmt(s["peak_step"]), _fmt(s["final"]), _fmt(s["delta_peak"], True),
+                     _fmt(s["delta_final"], True), _fmt(s["cliff_step"])]
+                    + [_fmt(s["role_acc"].get(r)) for r in roles] + [_fmt(s["role_share"].get(r)) for r in roles])
+    return _md(header, rows)
+
+
+def cells_csv(summaries: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> list[str]:
+    """Writes every number of :func:`cells_table` (full precision, blank when absent) to ``path``;
+    returns the header (:data:`FIELDS`, then ``acc/<role>`` and ``share/<role>``)."""
+    roles = all_roles(summaries)
+    header = list(FIELDS) + [f"acc/{r}" for r in roles] + [f"share/{r}" for r in roles]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for s in summaries:
+            vals = [s[k] for k in FIELDS] + [s["role_acc"].get(r) for r in roles] + [
+                s["role_share"].get(r) for r in roles]
+            w.writerow(["" if v is None else repr(v) if isinstance(v, float) else v for v in vals])
+    return header
+
+
+def cliff_table(summaries: Sequence[Mapping[str, Any]]) -> str:
+    rows = [[s["name"], s["cliff_step"], _fmt(s["cliff_peak_value"]), s["cliff_peak_step"], _fmt(s["final"])]
+            for s in summaries if s["cliff_step"] is not None]
+    if not rows:
+        return "No cell has a terminal cliff.\n"
+    return _md(["cell", "cliff step", "peak before (smoothed)", "at step", "final"], rows)
+
+
+def ip_sp_table(pairs: Sequence[Mapping[str, Any]]) -> str:
+    rows = [[p["workflow"], p["task"], p["model"], _fmt(p["seed"]), _fmt(p["sp_peak"]), _fmt(p["ip_peak"]),
+             _fmt(p["ip_peak"] - p["sp_peak"], True), _fmt(p["sp_final"]), _fmt(p["ip_final"]),
+             _fmt(p["ip_final"] - p["sp_final"], True)] for p in pairs]
+    if pairs:
+        dp = float(np.mean([p["ip_peak"] - p["sp_peak"] for p in pairs]))
+        df = float(np.mean([p["ip_final"] - p["sp_final"] for p in pairs]))
+        rows.append(["**mean**", "", "", "", "", "", _fmt(dp, True), "", "", _fmt(df, True)])
+    return _md(["workflow", "task", "model", "seed", "SP peak", "IP peak", "IP - SP peak", "SP final", "IP final",
+                "IP - SP final"], rows)
+
+
+# -- the report folder ---------------------------------------------------------------------------
+
+def _save_pages(pages: Sequence[tuple[Figure, Any]], out: str, stem: str) -> list[str]:
+    names = [f"{stem}.png"] if len(pages) == 1 else [f"{stem}_{i + 1}.png" for i in range(len(pages))]
+    for (fig, _), name in zip(pages, names):
+        fig.savefig(os.path.join(out, name))
+    return names
+
+
+def write_report(root: str | os.PathLike, out: str | os.PathLike, *, base_from: str = "cell",
+                 include_incomplete: bool = False, cliff_drop: float = float(CLIFF_DEFAULTS["drop"])
+                 ) -> dict[str, Any]:
+    """Reads the sweep under ``root`` and writes ``README.md``, ``cells.csv`` and the PNGs into ``out``.
+    Returns ``{"readme", "files", "summaries", "pairs", "missing"}``."""
+    root, out = os.fspath(root), os.fspath(out)
+    cells = load_cells(root)
+    os.makedirs(out, exist_ok=True)
+    summaries = summarize(cells, base_from=base_from, drop=cliff_drop)
+    pairs, unmatched = match_ip_sp(summaries, include_incomplete=include_incomplete)
+    files: list[str] = []
+    heat = {}
+    for metric, label in (("delta_final", "final"), ("delta_peak", "peak")):
+        grids = heatmap_grids(summaries, metric, include_incomplete=include_incomplete)
+        if grids:
+            name = f"{metric}.png"
+            heatmap_figure(grids, f"val/success {label} minus base (mean over seeds)").savefig(os.path.join(out, name))
+            heat[metric] = name
+            files.append(name)
+    fig, _ = ip_sp_figure(pairs)
+    fig.savefig(os.path.join(out, "ip_vs_sp.png"))
+    files.append("ip_vs_sp.png")
+    curves = _save_pages(curves_figures(cells, summaries), out, "curves")
+    norms = _save_pages(grad_figures(cells, summaries, "norm"), out, "grad_norms")
+    shares = _save_pages(grad_figures(cells, summaries, "share"), out, "grad_shares")
+    files += curves + norms + shares
+    cells_csv(summaries, os.path.join(out, "cells.csv"))
+    files.append("cells.csv")
+
+    missing = [s for s in summaries if s["status"] != "ok"]
+    n_train = sum(s["kind"] == "train" for s in summaries)
+    used = "ok and incomplete" if include_incomplete else "ok"
+    md = [f"# Sweep report: `{root}`", "",
+          f"{len(summaries)} cells ({n_train} train, {len(summaries) - n_train} base); "
+          f"{sum(s['status'] == 'ok' for s in summaries)} ok, "
+          f"{sum(s['status'] == 'incomplete' for s in summaries)} incomplete, "
+          f"{sum(s['status'] == 'missing' for s in summaries)} missing or failed. "
+          f"Figures use {used} train cells; the tables list every cell.", "",
+          "All numbers are validation pass@1 (`val/success`, a fraction). *base*: the matching base cell "
+          "(same workflow, task, model; same seed, else the mean over seeds) when the sweep has one"
+          + (", else" if base_from == "cell" else "; here always") + " the run's step-0 validation. "
+          "*peak*: best validation after step 0; *final*: last validation; Δ = value - base. "
+          f"*cliff*: terminal collapse by at least {cliff_drop:g} from the running peak that never recovers "
+          "(`marl_jax.train.cliff.detect_cliff`).", ""]
+    md += ["## Accuracy change against the base model", "",
+           "Rows: workflow; columns: model (by scale); one panel per task and policy; n/a: no usable cell.", ""]
+    md += [f"![{m}]({n})\n" for m, n in heat.items()]
+    md += ["## Isolated vs Shared on matched cells", "",
+           "Same workflow, task, model, seed (and overrides); circles: peak, squares: final.", "",
+           "![ip_vs_sp](ip_vs_sp.png)", "", ip_sp_table(pairs)]
+    if unmatched:
+        md += [f"Without a counterpart: {', '.join(unmatched)}.", ""]
+    md += ["## Terminal cliffs", "", cliff_table(summaries)]
+    md += ["## Every cell", "", "All numbers also in [cells.csv](cells.csv).", "", cells_table(summaries)]
+    md += ["## Training curves", ""] + [f"![curves]({n})\n" for n in curves]
+    md += ["## Per-role gradient norms", ""] + [f"![grad norms]({n})\n" for n in norms]
+    md += ["## Per-role gradient shares", ""] + [f"![grad shares]({n})\n" for n in shares]
+    md += ["## Missing, failed or incomplete cells", ""]
+    md += [f"- `{s['name']}` ({s['status']}): {s['problem']}" for s in missing] or ["None."]
+    readme = os.path.join(out, "README.md")
+    with open(readme, "w", encoding="utf-8") as f:
+        f.write("\n".join(md) + "\n")
+    files.append("README.md")
+    return {"readme": readme, "files": files, "summaries": summaries, "pairs": pairs,
+            "missing": [s["name"] for s in missing]}
