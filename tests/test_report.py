@@ -29,16 +29,20 @@ SWEEP = {
                         {0: 0.40, 10: 0.70, 20: 0.30, 30: 0.25, 40: 0.20}, {}),
     "vote-ip-1.7b-s0": ("voting", "isolated", "math", "qwen3-1.7b", 0, 40,
                         {0: 0.40, 10: 0.60, 20: 0.65, 30: 0.62, 40: 0.66}, {}),
-    # base model evaluation of the voting workflow (step 0 only); it replaces the runs' own step 0 (0.40)
-    "vote-base-1.7b-s0": ("voting", "shared", "math", "qwen3-1.7b", 0, 0, {0: 0.35}, {"kind": "base"}),
+    # the sweep's base cell: untrained model, single_agent, step 0 only; it replaces the 1.7b runs' own
+    # step 0 (0.40) whatever their workflow
+    "base-math-qwen3-1.7b-s0": ("single_agent", "shared", "math", "qwen3-1.7b", 0, 0, {0: 0.35}, {"kind": "base"}),
     "sa-sp-135m-code": ("single_agent", "shared", "code", "smollm2-135m", 0, 20, {0: 0.10, 10: 0.20, 20: 0.30},
                         {"no_cell_json": True}),
     # metrics stop at step 10 of 20 (still running or killed)
     "sa-sp-1.7b-partial": ("single_agent", "shared", "math", "qwen3-1.7b", 0, 20, {0: 0.50, 10: 0.60}, {}),
     "eo-sp-135m-nometrics": ("eval_opt", "shared", "math", "smollm2-135m", 0, 20, None, {}),
-    "eo-ip-135m-failed": ("eval_opt", "isolated", "math", "smollm2-135m", 0, 20, {0: 0.3, 10: 0.4},
-                          {"status": "failed"}),
+    # sweep.jsonl: its last launch exited 1
+    "eo-ip-135m-failed": ("eval_opt", "isolated", "math", "smollm2-135m", 0, 20, {0: 0.3, 10: 0.4}, {}),
 }
+# <root>/sweep.jsonl as marl_jax.experiments.matrix.run_sweep appends it: (cell, action, returncode)
+LAUNCHES = [("sa-ip-135m-s0", "run", 1), ("eo-ip-135m-failed", "run", 0), ("sa-ip-135m-s0", "resume", 0),
+            ("eo-ip-135m-failed", "resume", 1), ("sa-sp-135m-s0", "run", 0), ("sa-sp-135m-s0", "skip", None)]
 
 
 def _train_values(name: str, step: int) -> dict[str, float]:
@@ -59,10 +63,8 @@ def _write_cell(root, name, spec) -> None:
         json.dump(config, f)
     if not extra.get("no_cell_json"):
         cell = {"name": name, "workflow": workflow, "policy": policy, "task": task, "model": model, "seed": seed,
-                "kind": extra.get("kind", "train"), "overrides": {"policy": policy, "train.seed": seed},
-                "command": ["python", "launch/run.py"]}
-        if "status" in extra:
-            cell["status"] = extra["status"]
+                "kind": extra.get("kind", "train"), "overrides": {"optim.lr": 0.001, "train.steps": steps},
+                "config_arg": f"{model},{task}", "command": ["python", "launch/run.py"]}
         with open(os.path.join(wd, "cell.json"), "w") as f:
             json.dump(cell, f)
     if val is None:
@@ -93,6 +95,12 @@ def sweep(tmp_path_factory):
     for name, spec in SWEEP.items():
         _write_cell(root, name, spec)
     os.makedirs(os.path.join(root, "not-a-cell"))  # no run files: ignored
+    with open(os.path.join(root, "sweep.jsonl"), "w") as f:
+        for cell, action, rc in LAUNCHES:
+            f.write(json.dumps({"cell": cell, "status_before": "new", "action": action, "returncode": rc,
+                                "wall_s": 1.0, "status_after": "partial", "log": "", "command": []}) + "\n")
+    with open(os.path.join(root, "eo-ip-135m-failed", "run.log"), "w") as f:
+        f.write("step 10\nTraceback (most recent call last):\nRuntimeError: out of memory\n\n")
     return root
 
 
@@ -142,7 +150,7 @@ def test_deltas(summaries, name, base):
 def test_signs_and_base_source(sweep, summaries):
     vote = summaries["vote-sp-1.7b-s0"]
     assert vote["delta_peak"] == pytest.approx(0.35) and vote["delta_final"] == pytest.approx(-0.15)
-    assert "vote-base-1.7b-s0" in vote["base_source"]
+    assert vote["base_source"] == "base cell base-math-qwen3-1.7b-s0"
     assert summaries["sa-sp-135m-s0"]["base_source"] == "step 0"
     assert summaries["sa-sp-135m-s0"]["delta_final"] == pytest.approx(0.15)
     # without base cells every run is measured against its own step 0
@@ -172,7 +180,8 @@ def test_missing_and_incomplete(summaries):
     assert summaries["eo-sp-135m-nometrics"]["status"] == "missing"
     assert "metrics" in summaries["eo-sp-135m-nometrics"]["problem"]
     assert summaries["eo-ip-135m-failed"]["status"] == "missing"
-    assert "failed" in summaries["eo-ip-135m-failed"]["problem"]
+    assert summaries["eo-ip-135m-failed"]["problem"] == "run failed (exit 1): RuntimeError: out of memory"
+    assert summaries["sa-ip-135m-s0"]["status"] == "ok"  # failed once, then a launch that finished
     assert summaries["sa-sp-1.7b-partial"]["status"] == "incomplete"
     assert "not-a-cell" not in summaries
     assert len(summaries) == len(SWEEP)
@@ -237,7 +246,7 @@ def test_curves_and_grads_figures(sweep, summaries):
     ts, smooth = drawn["sa-sp-135m-s0"]["train"]
     raw = [_train_values("sa-sp-135m-s0", k)["success"] for k in range(1, 21)]
     assert smooth[-1] == pytest.approx(np.mean(raw[-10:])) and smooth[0] == pytest.approx(raw[0])
-    assert "eo-sp-135m-nometrics" not in drawn and "vote-base-1.7b-s0" not in drawn
+    assert "eo-sp-135m-nometrics" not in drawn and "base-math-qwen3-1.7b-s0" not in drawn
     (_, norms), = grad_figures(cells, rows_, "norm")
     assert set(norms["vote-sp-1.7b-s0"]) == {"grad/generator/norm", "grad/aggregator/norm"}
     (_, shares), = grad_figures(cells, rows_, "share")
@@ -281,3 +290,14 @@ def test_bad_root(tmp_path):
         load_cells(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no run folders"):
         write_report(tmp_path, tmp_path / "out")
+
+
+def test_unmatched_only_among_workflows_run_under_both_policies():
+    def row(name, wf, policy, seed):
+        return {"name": name, "kind": "train", "status": "ok", "workflow": wf, "policy": policy, "task": "math",
+                "model": "qwen3-0.6b", "seed": seed, "peak": 0.5, "final": 0.4}
+    rows_ = [row("a", "single_agent", "shared", 0), row("b", "voting", "shared", 0), row("c", "voting", "isolated", 0),
+             row("d", "voting", "shared", 1)]
+    pairs, unmatched = match_ip_sp(rows_)
+    assert [(p["shared"], p["isolated"]) for p in pairs] == [("b", "c")]
+    assert unmatched == ["d"]  # single_agent runs shared only: not a missing counterpart

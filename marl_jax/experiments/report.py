@@ -1,16 +1,18 @@
 """Sweep report: per-cell numbers, base-relative heatmaps, Isolated-vs-Shared comparison, curves, cliffs.
 
 A sweep root holds one run folder per cell, ``<root>/<cell>/``, with ``config.json`` (written by the
-trainer), ``cell.json`` (written by the sweep; preferred where both say something) and
-``metrics.jsonl`` (:mod:`marl_jax.train.metrics`). Everything here is a pure function of those files:
+trainer), ``cell.json`` (written by the sweep; preferred where both say something), ``metrics.jsonl``
+(:mod:`marl_jax.train.metrics`) and ``run.log``; ``<root>/sweep.jsonl`` holds the sweep's record of
+each launch (:mod:`marl_jax.experiments.matrix`), whose last exit code per cell says whether it failed. Everything here is a pure function of those files:
 :func:`load_cells` -> :func:`summarize` (one flat dict per cell) -> figures and tables;
 :func:`write_report` puts them in a folder with a ``README.md``.
 
 Numbers, all from the ``val/success`` curve:
 
-- ``base``: the matching base cell's value (kind ``"base"``; same workflow, task, model and variant;
-  same seed when one exists, else the mean over its seeds), else the run's own step-0 validation
-  (``base_from="step0"`` always uses step 0).
+- ``base``: the matching base cell's value (kind ``"base"``: the untrained model, ``train.steps=0``;
+  same task and model; of the same workflow when there is one, else of any workflow (the
+  sweep's base cells run single_agent); of the same seed when there is one, else the mean over
+  seeds), else the run's own step-0 validation (``base_from="step0"`` always uses step 0).
 - ``peak``: the maximum over trained checkpoints (step > 0; earliest on ties) and its step.
 - ``final``: the value at the last validated step.
 - ``delta_peak`` / ``delta_final``: ``peak - base`` / ``final - base``.
@@ -20,7 +22,7 @@ Per role: the final ``val/<role>/accuracy`` and the mean of ``grad/<role>/share`
 
 A cell's ``status`` is ``"ok"``, ``"incomplete"`` (metrics stop before ``train.steps`` and the run
 did not finish: still running, or killed) or ``"missing"`` (no metrics, unreadable metrics, no
-validation after step 0, or the sweep marked the run failed); ``problem`` says why. Aggregate
+validation after step 0, or the sweep's last launch of it exited non-zero); ``problem`` says why. Aggregate
 figures use ``"ok"`` cells (and ``"incomplete"`` ones with ``include_incomplete``); every cell is
 listed in the tables, the others flagged.
 """
@@ -44,20 +46,21 @@ from marl_jax.train.cliff import detect_cliff, trailing_mean
 from marl_jax.train.metrics import read_metrics
 from marl_jax.train.summary import TRAIN_WINDOW, curve, infer_roles, merge_by_step
 
-__all__ = ["Cell", "Grid", "all_roles", "load_cells", "load_cell", "summarize", "model_label", "model_scale", "heatmap_grids",
+__all__ = ["Cell", "Grid", "all_roles", "load_cells", "load_cell", "sweep_exit_codes", "summarize", "model_label", "model_scale", "heatmap_grids",
            "heatmap_figure", "match_ip_sp", "ip_sp_figure", "curves_figures", "grad_figures", "cells_csv",
            "cells_table", "cliff_table", "ip_sp_table", "write_report", "WORKFLOW_ORDER", "FIELDS"]
 
 WORKFLOW_ORDER = ("single_agent", "eval_opt", "voting", "orch_workers")
-FAILED_STATUSES = ("failed", "error", "crashed", "killed", "timeout")
-# Override keys that name what a cell already records (its coordinates), not a variant of the method.
+SWEEP_FILE, LOG_FILE = "sweep.jsonl", "run.log"  # written by marl_jax.experiments.matrix.run_sweep
+# Override keys that name what a cell already records (its coordinates, where its files are, how long
+# it ran: base cells have train.steps=0), not a change of method.
 _COORD_KEYS = {"policy", "workflow", "seed", "train.seed", "model", "model.name", "model.dtype", "task",
-               "task.kind", "preset", "workdir"}
+               "task.kind", "task.path", "preset", "workdir", "train.steps"}
 PANELS_PER_PAGE = 20
 _PAGE_COLS = 5
 # Fixed columns of the per-cell table and cells.csv; per-role columns follow.
 FIELDS = ("name", "kind", "status", "problem", "workflow", "policy", "task", "model", "scale_b", "seed",
-          "variant", "base", "base_source", "peak", "peak_step", "final", "final_step", "delta_peak",
+          "overrides", "base", "base_source", "peak", "peak_step", "final", "final_step", "delta_peak",
           "delta_final", "cliff_step", "last_step", "planned_steps")
 
 
@@ -75,7 +78,7 @@ class Cell:
     task: str
     model: str  # short label (a preset key where the name is one, else the folder's basename)
     seed: int | None
-    variant: str  # non-coordinate overrides, "" when none
+    overrides: str  # the sweep's overrides other than coordinates, as text ("" when none)
     planned_steps: int | None
     finished: bool  # the trainer wrote its summary (a run stopped on a cliff also counts)
     records: tuple[dict, ...]
@@ -112,7 +115,7 @@ def model_scale(label: str) -> float | None:
     return float(m.group(1)) * (1e-3 if m.group(2) == "m" else 1.0)
 
 
-def _variant(overrides: Any) -> str:
+def _overrides_text(overrides: Any) -> str:
     """Canonical text of the overrides that are not cell coordinates (policy, seed, model, ...)."""
     if not overrides:
         return ""
@@ -134,24 +137,51 @@ def _variant(overrides: Any) -> str:
     return ",".join(sorted(keep))
 
 
-def _failure(cell_json: Mapping[str, Any]) -> str | None:
-    status = str(cell_json.get("status", "")).lower()
-    if status in FAILED_STATUSES:
-        return f"run {status}" + (f": {cell_json['error']}" if cell_json.get("error") else "")
-    for key in ("returncode", "exit_code", "rc"):
-        rc = cell_json.get(key)
-        if isinstance(rc, int) and not isinstance(rc, bool) and rc != 0:
-            return f"run failed ({key} {rc})"
-    return None
+def sweep_exit_codes(root: str | os.PathLike) -> dict[str, int | None]:
+    """``{cell name: exit code of its last record}`` from ``<root>/sweep.jsonl`` (None: interrupted, or
+    skipped because the sweep found it done; {} without the file). Unreadable lines (a cut write) are
+    skipped."""
+    path = os.path.join(os.fspath(root), SWEEP_FILE)
+    out: dict[str, int | None] = {}
+    if not os.path.isfile(path):
+        return out
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("cell"), str):
+                rc = rec.get("returncode")
+                out[rec["cell"]] = rc if isinstance(rc, int) and not isinstance(rc, bool) else None
+    return out
 
 
-def load_cell(workdir: str | os.PathLike) -> Cell:
-    """Reads one run folder; problems (no metrics, a failed run, unreadable files) go in ``problem``."""
+def _log_tail(workdir: str, chars: int = 200) -> str:
+    """The last non-empty line of the run's log (usually the error), shortened."""
+    try:
+        with open(os.path.join(workdir, LOG_FILE), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = [x.strip() for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-chars:] if lines else ""
+
+
+def load_cell(workdir: str | os.PathLike, exit_codes: Mapping[str, int | None] | None = None) -> Cell:
+    """Reads one run folder; problems (no metrics, unreadable files, a non-zero exit code in
+    ``exit_codes`` (:func:`sweep_exit_codes`): the sweep's last launch of it failed) go in ``problem``."""
     workdir = os.fspath(workdir)
     cj, cerr = _read_json(os.path.join(workdir, "cell.json"))
     cfg, ferr = _read_json(os.path.join(workdir, "config.json"))
     cj, cfg = cj or {}, cfg or {}
-    problem = cerr or ferr or _failure(cj)
+    name = str(cj.get("name") or os.path.basename(workdir.rstrip("/\\")))
+    exit_code = (exit_codes or {}).get(name)
+    problem = cerr or ferr
+    if problem is None and exit_code not in (None, 0):
+        tail = _log_tail(workdir)
+        problem = f"run failed (exit {exit_code})" + (f": {tail}" if tail else "")
     train = cfg.get("train") if isinstance(cfg.get("train"), Mapping) else {}
     task_cfg = cfg.get("task") if isinstance(cfg.get("task"), Mapping) else {}
     model_cfg = cfg.get("model") if isinstance(cfg.get("model"), Mapping) else {}
@@ -173,27 +203,29 @@ def load_cell(workdir: str | os.PathLike) -> Cell:
     if problem is None and not records:
         problem = "metrics.jsonl is empty"
     return Cell(
-        name=str(cj.get("name") or os.path.basename(workdir.rstrip("/\\"))), workdir=workdir, kind=str(kind),
+        name=name, workdir=workdir, kind=str(kind),
         workflow=str(cj.get("workflow", cfg.get("workflow", "?"))),
         policy=str(cj.get("policy", cfg.get("policy", "?"))), task=str(task),
         model=model_label(cj.get("model", model_cfg.get("name"))),
         seed=int(seed) if isinstance(seed, (int, float)) and not isinstance(seed, bool) else None,
-        variant=_variant(cj.get("overrides")), planned_steps=planned,
+        overrides=_overrides_text(cj.get("overrides")), planned_steps=planned,
         finished=os.path.isfile(os.path.join(workdir, "summary.md")),
         records=tuple(records) if problem is None else (), problem=problem)
 
 
 def load_cells(root: str | os.PathLike) -> list[Cell]:
-    """Every run folder directly under ``root`` (one holding cell.json, config.json or metrics.jsonl)."""
+    """Every run folder directly under ``root`` (one holding cell.json, config.json or metrics.jsonl),
+    with the exit codes of ``<root>/sweep.jsonl``."""
     root = os.fspath(root)
     if not os.path.isdir(root):
         raise FileNotFoundError(f"sweep root {root!r} is not a folder; pass the folder holding one run folder per cell")
+    codes = sweep_exit_codes(root)
     cells = []
     for entry in sorted(os.listdir(root)):
         d = os.path.join(root, entry)
         if os.path.isdir(d) and any(os.path.isfile(os.path.join(d, f))
                                     for f in ("cell.json", "config.json", "metrics.jsonl")):
-            cells.append(load_cell(d))
+            cells.append(load_cell(d, codes))
     if not cells:
         raise FileNotFoundError(f"no run folders under {root!r} (expected <root>/<cell>/cell.json or config.json)")
     return cells
@@ -212,7 +244,7 @@ def _scale_rank(model: str) -> tuple[float, str]:
 
 def _sort_key(s: Mapping[str, Any]) -> tuple:
     return (s["kind"] != "train", s["task"], _workflow_rank(s["workflow"]), _scale_rank(s["model"]), s["policy"],
-            s["variant"], s["seed"] if s["seed"] is not None else -1, s["name"])
+            s["seed"] if s["seed"] is not None else -1, s["name"])
 
 
 def _own_numbers(cell: Cell, cliff_kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -272,11 +304,11 @@ def summarize(cells: Sequence[Cell], *, base_from: str = "cell", **cliff_kwargs:
     if base_from not in ("cell", "step0"):
         raise ValueError(f"base_from must be 'cell' or 'step0', got {base_from!r}")
     owns = [_own_numbers(c, cliff_kwargs) for c in cells]
-    # base cells with a value, by (workflow, task, model, variant) -> {seed: value}
-    bases: dict[tuple, dict[Any, tuple[float, str]]] = {}
+    # base cells with a value, by (task, model) -> [(workflow, seed, value, name)]
+    bases: dict[tuple, list[tuple[str, Any, float, str]]] = {}
     for c, own in zip(cells, owns):
         if c.kind == "base" and not c.problem and _base_cell_value(own) is not None:
-            bases.setdefault((c.workflow, c.task, c.model, c.variant), {})[c.seed] = (_base_cell_value(own), c.name)
+            bases.setdefault((c.task, c.model), []).append((c.workflow, c.seed, _base_cell_value(own), c.name))
     out = []
     for c, own in zip(cells, owns):
         status, problem = _status(c, own)
@@ -284,19 +316,21 @@ def summarize(cells: Sequence[Cell], *, base_from: str = "cell", **cliff_kwargs:
         if c.kind == "base":
             base, source = _base_cell_value(own), "this cell"
         else:
-            found = bases.get((c.workflow, c.task, c.model, c.variant)) if base_from == "cell" else None
-            if found and c.seed in found:
-                base, source = found[c.seed][0], f"base cell {found[c.seed][1]}"
+            found = bases.get((c.task, c.model), []) if base_from == "cell" else []
+            found = [b for b in found if b[0] == c.workflow] or found  # same workflow first
+            found = [b for b in found if b[1] == c.seed] or found  # then same seed, else mean over seeds
+            if len(found) == 1:
+                base, source = found[0][2], f"base cell {found[0][3]}"
             elif found:
-                base = float(np.mean([v for v, _ in found.values()]))
-                source = f"mean of base cells {', '.join(sorted(n for _, n in found.values()))}"
+                base = float(np.mean([b[2] for b in found]))
+                source = f"mean of base cells {', '.join(sorted(b[3] for b in found))}"
             elif own["step0"] is not None:
                 base, source = own["step0"], "step 0"
         train = c.kind == "train"
         row = {
             "name": c.name, "kind": c.kind, "status": status, "problem": problem, "workflow": c.workflow,
             "policy": c.policy, "task": c.task, "model": c.model, "scale_b": model_scale(c.model), "seed": c.seed,
-            "variant": c.variant, "base": base, "base_source": source,
+            "overrides": c.overrides, "base": base, "base_source": source,
             "peak": own["peak"] if train else None, "peak_step": own["peak_step"] if train else None,
             "final": own["final"] if train else None, "final_step": own["final_step"] if train else None,
             "delta_peak": None, "delta_final": None, "cliff_step": own["cliff_step"],
@@ -333,7 +367,6 @@ class Grid:
 
     task: str
     policy: str
-    variant: str
     rows: tuple[str, ...]
     cols: tuple[str, ...]
     values: np.ndarray
@@ -342,29 +375,26 @@ class Grid:
 
 def heatmap_grids(summaries: Sequence[Mapping[str, Any]], metric: str, *,
                   include_incomplete: bool = False) -> list[Grid]:
-    """Panels (task x policy x variant, over every train cell listed, usable or not) of ``metric``
+    """Panels (task x policy, over every train cell listed, usable or not) of ``metric``
     (e.g. ``"delta_final"``) on workflow rows x model-scale columns; a missing combination stays NaN."""
     train = [s for s in summaries if s["kind"] == "train"]
     rows = tuple(sorted({s["workflow"] for s in train}, key=_workflow_rank))
     cols = tuple(sorted({s["model"] for s in train}, key=_scale_rank))
     tasks = sorted({s["task"] for s in train})
     policies = sorted({s["policy"] for s in train}, key=lambda p: (p != "shared", p))
-    variants = sorted({s["variant"] for s in train})
     grids = []
-    for variant in variants:
-        for task in tasks:
-            for policy in policies:
-                acc = np.zeros((len(rows), len(cols)))
-                n = np.zeros((len(rows), len(cols)), np.int64)
-                for s in train:
-                    if ((s["task"], s["policy"], s["variant"]) == (task, policy, variant)
-                            and _usable(s, include_incomplete) and s[metric] is not None):
-                        i, j = rows.index(s["workflow"]), cols.index(s["model"])
-                        acc[i, j] += s[metric]
-                        n[i, j] += 1
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    vals = np.where(n > 0, acc / np.maximum(n, 1), np.nan)
-                grids.append(Grid(task, policy, variant, rows, cols, vals, n))
+    for task in tasks:
+        for policy in policies:
+            acc = np.zeros((len(rows), len(cols)))
+            n = np.zeros((len(rows), len(cols)), np.int64)
+            for s in train:
+                if ((s["task"], s["policy"]) == (task, policy) and _usable(s, include_incomplete)
+                        and s[metric] is not None):
+                    i, j = rows.index(s["workflow"]), cols.index(s["model"])
+                    acc[i, j] += s[metric]
+                    n[i, j] += 1
+            vals = np.where(n > 0, acc / np.maximum(n, 1), np.nan)
+            grids.append(Grid(task, policy, rows, cols, vals, n))
     return grids
 
 
@@ -375,12 +405,12 @@ def _new_figure(w: float, h: float) -> Figure:
 
 
 def heatmap_figure(grids: Sequence[Grid], title: str) -> Figure:
-    """One panel per grid (rows: task, columns: policy and variant), a diverging color scale centred
+    """One panel per grid (rows: task, columns: policy), a diverging color scale centred
     on 0 shared by all panels, each square annotated with its value ("n/a" when empty)."""
     if not grids:
         raise ValueError("no heatmap panels: the sweep has no train cells")
     prow = sorted({g.task for g in grids})
-    pcol = list(dict.fromkeys((g.policy, g.variant) for g in grids))
+    pcol = list(dict.fromkeys(g.policy for g in grids))
     nr, nc = len(grids[0].rows), len(grids[0].cols)
     fig = _new_figure(max(4.0, 1.1 * nc + 2.2) * len(pcol) + 0.8, max(2.6, 0.55 * nr + 1.6) * len(prow))
     finite = np.concatenate([g.values[np.isfinite(g.values)] for g in grids])
@@ -390,7 +420,7 @@ def heatmap_figure(grids: Sequence[Grid], title: str) -> Figure:
     cmap = matplotlib.colormaps["RdBu"].with_extremes(bad="white")
     im = None
     for g in grids:
-        ax = fig.add_subplot(len(prow), len(pcol), prow.index(g.task) * len(pcol) + pcol.index((g.policy, g.variant)) + 1)
+        ax = fig.add_subplot(len(prow), len(pcol), prow.index(g.task) * len(pcol) + pcol.index(g.policy) + 1)
         im = ax.imshow(np.ma.masked_invalid(g.values), cmap=cmap, vmin=-lim, vmax=lim, aspect="auto")
         ax.set_xticks(range(nc), g.cols, fontsize=8, rotation=20)
         ax.set_yticks(range(nr), g.rows, fontsize=8)
@@ -407,7 +437,7 @@ def heatmap_figure(grids: Sequence[Grid], title: str) -> Figure:
                 else:
                     txt, color = "n/a", "gray"
                 ax.text(j, i, txt, ha="center", va="center", fontsize=8, color=color)
-        ax.set_title(f"{g.task} / {g.policy}" + (f" / {g.variant}" if g.variant else ""), fontsize=9)
+        ax.set_title(f"{g.task} / {g.policy}", fontsize=9)
     fig.colorbar(im, ax=fig.axes, shrink=0.8, label="val/success change vs base")
     fig.suptitle(title, fontsize=10)
     return fig
@@ -417,25 +447,28 @@ def heatmap_figure(grids: Sequence[Grid], title: str) -> Figure:
 
 def match_ip_sp(summaries: Sequence[Mapping[str, Any]], *, include_incomplete: bool = False
                 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Pairs of usable train cells equal in workflow, task, model, seed and variant, one shared and
-    one isolated. Returns ``(pairs, unmatched cell names)``; a pair holds both names and their
-    ``peak`` / ``final`` (``sp_*``, ``ip_*``)."""
+    """Pairs of usable train cells equal in workflow, task, model and seed, one shared and
+    one isolated. Returns ``(pairs, unmatched)``: a pair holds both names and their ``peak`` /
+    ``final`` (``sp_*``, ``ip_*``); ``unmatched`` names the usable cells without a counterpart, among
+    workflows the sweep runs under both policies (a one-role workflow runs shared only)."""
     groups: dict[tuple, dict[str, list]] = {}
     for s in summaries:
         if _usable(s, include_incomplete) and s["policy"] in ("shared", "isolated"):
-            key = (s["workflow"], s["task"], s["model"], s["seed"], s["variant"])
+            key = (s["workflow"], s["task"], s["model"], s["seed"])
             groups.setdefault(key, {"shared": [], "isolated": []})[s["policy"]].append(s)
     pairs, unmatched = [], []
     for key, g in groups.items():
         sp, ip = sorted(g["shared"], key=lambda s: s["name"]), sorted(g["isolated"], key=lambda s: s["name"])
         for a, b in zip(sp, ip):
-            pairs.append({"workflow": key[0], "task": key[1], "model": key[2], "seed": key[3], "variant": key[4],
+            pairs.append({"workflow": key[0], "task": key[1], "model": key[2], "seed": key[3],
                           "shared": a["name"], "isolated": b["name"], "sp_peak": a["peak"], "ip_peak": b["peak"],
                           "sp_final": a["final"], "ip_final": b["final"]})
-        unmatched += [s["name"] for s in (sp[len(ip):] + ip[len(sp):])]
+        unmatched += [(key[0], s["name"]) for s in (sp[len(ip):] + ip[len(sp):])]
+    both = {w for w in {s["workflow"] for s in summaries if s["kind"] == "train"}
+            if {s["policy"] for s in summaries if s["kind"] == "train" and s["workflow"] == w} >= {"shared", "isolated"}}
     pairs.sort(key=lambda p: (p["task"], _workflow_rank(p["workflow"]), _scale_rank(p["model"]),
-                              p["variant"], p["seed"] if p["seed"] is not None else -1))
-    return pairs, sorted(unmatched)
+                              p["seed"] if p["seed"] is not None else -1))
+    return pairs, sorted(n for w, n in unmatched if w in both)
 
 
 def ip_sp_figure(pairs: Sequence[Mapping[str, Any]]) -> tuple[Figure, dict[str, np.ndarray]]:
@@ -697,17 +730,22 @@ def write_report(root: str | os.PathLike, out: str | os.PathLike, *, base_from: 
           f"{sum(s['status'] == 'incomplete' for s in summaries)} incomplete, "
           f"{sum(s['status'] == 'missing' for s in summaries)} missing or failed. "
           f"Figures use {used} train cells; the tables list every cell.", "",
-          "All numbers are validation pass@1 (`val/success`, a fraction). *base*: the matching base cell "
-          "(same workflow, task, model; same seed, else the mean over seeds) when the sweep has one"
-          + (", else" if base_from == "cell" else "; here always") + " the run's step-0 validation. "
+          "All numbers are validation pass@1 (`val/success`, a fraction). *base*: "
+          + ("the untrained model's base cell of the same task and model (same workflow when there is one, "
+             "else of another workflow: the sweep's base cells run single_agent; same seed, else the mean over seeds), else the run's step-0 "
+             "validation. " if base_from == "cell" else "the run's own step-0 validation. ") +
           "*peak*: best validation after step 0; *final*: last validation; Δ = value - base. "
           f"*cliff*: terminal collapse by at least {cliff_drop:g} from the running peak that never recovers "
           "(`marl_jax.train.cliff.detect_cliff`).", ""]
+    variants = sorted({s["overrides"] for s in summaries if s["kind"] == "train"})
+    if len(variants) > 1:  # the figures pool cells by coordinates only
+        md += ["**Warning**: train cells differ in their overrides and the figures pool them: "
+               + "; ".join(f"`{v or '(none)'}`" for v in variants) + ". See the `overrides` column of cells.csv.", ""]
     md += ["## Accuracy change against the base model", "",
            "Rows: workflow; columns: model (by scale); one panel per task and policy; n/a: no usable cell.", ""]
     md += [f"![{m}]({n})\n" for m, n in heat.items()]
     md += ["## Isolated vs Shared on matched cells", "",
-           "Same workflow, task, model, seed (and overrides); circles: peak, squares: final.", "",
+           "Same workflow, task, model and seed; circles: peak, squares: final.", "",
            "![ip_vs_sp](ip_vs_sp.png)", "", ip_sp_table(pairs)]
     if unmatched:
         md += [f"Without a counterpart: {', '.join(unmatched)}.", ""]
