@@ -199,3 +199,22 @@ def test_leaving_out_zero_advantage_rows_is_exact():
         idx = [i for i, r in enumerate(rows) if r.role == role]
         ref = _ref_grad(base, spec, tr, slot, [rows[i] for i in idx], [advs[i] for i in idx])
         _assert_tree_close(jax.tree_util.tree_map(lambda x: x[slot], pruned), ref)
+
+
+def test_group_aligned_layout_puts_one_group_per_micro_batch_and_misalignment_is_reported():
+    rng = np.random.RandomState(8)
+    rows = _rows(rng, [("gen", 5, 1), ("judge", 3, 1), ("gen", 2, 1)])  # roles interleaved
+    groups = make_groups(["gen", "judge"], {"gen": 0, "judge": 0}, None)
+    advs = np.ones(len(rows), np.float32)
+    b = make_batch(rows, advs, role_to_slot={"gen": 0, "judge": 0}, num_slots=1, groups=groups, micro_batch=4)
+    mbs = b.group[0].reshape(-1, 4)
+    for mb in mbs:
+        assert len(set(mb[mb >= 0].tolist())) <= 1, mbs
+    assert sorted(b.group[0][b.group[0] >= 0].tolist()) == [0] * 7 + [1] * 3  # every row kept once
+    base, spec, tr = _setup(1)
+    unaligned = make_batch(rows, advs, role_to_slot={"gen": 0, "judge": 0}, num_slots=1, groups=groups,
+                           micro_batch=4, align_groups=False)
+    step = make_train_step(CFG, spec, UpdateConfig(micro_batch=4), optim.per_slot(optax.sgd(LR)), num_groups=2,
+                           group_slot=groups.slot, group_role=[0, 1], num_roles=2, role_slot=[0, 0])
+    _, m = step(init_state(tr, optim.per_slot(optax.sgd(LR))), base, jax.tree_util.tree_map(jnp.asarray, unaligned))
+    assert int(m["misaligned_rows"]) > 0

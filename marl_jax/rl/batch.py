@@ -11,7 +11,9 @@ entropy term is active they are left out of the arrays; the per-slot denominator
 counted over every trained row, so the loss and its gradient are unchanged.
 
 Every row also carries a diagnostic group index: one group per (role, call index) when copy
-alignment is measured, else per role; the update measures each group's gradient exactly.
+alignment is measured, else per role; the update measures each group's gradient exactly. With
+`align_groups` each group starts on a micro-batch boundary, so every micro-batch holds one group and
+its single backward pass is that group's gradient: per-group gradients then cost nothing extra.
 """
 from __future__ import annotations
 
@@ -102,10 +104,12 @@ def slot_denominators(rows: Sequence, role_to_slot: dict[str, int], num_slots: i
 def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str, int], num_slots: int,
                groups: GroupInfo, micro_batch: int, pad_id: int = 0, max_len: int | None = None,
                kl_coef: dict[str, float] | None = None, agg: str = "seq-mean-token-mean",
-               keep_zero_advantage: bool = False) -> TrainBatch:
+               keep_zero_advantage: bool = False, align_groups: bool = True) -> TrainBatch:
     """Lay rows out by slot. Rows with `trained=False` count nowhere (no gradient, not in `den`).
 
     keep_zero_advantage: keep rows whose advantage is 0 (needed when a KL or entropy term is on).
+    align_groups: start each diagnostic group on a micro-batch boundary (the update's diagnostics
+    need it; without diagnostics it only adds padding).
     """
     if len(rows) != len(advantages):
         raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
@@ -115,13 +119,25 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
         if getattr(r, "trained", True) and (keep_zero_advantage or advantages[i] != 0) and r.completion_tokens:
             per_slot[role_to_slot[r.role]].append(i)
     kept = [rows[i] for p in per_slot for i in p]
+    row_group = {i: group_of(groups, rows[i].role, rows[i].call_index) for p in per_slot for i in p}
+    # Position of each kept row within its slot (None = padding): groups start on micro-batch boundaries.
+    layout: list[list[int | None]] = []
+    for p in per_slot:
+        if not align_groups:
+            layout.append(list(p))
+            continue
+        lay: list[int | None] = []
+        for g in sorted({row_group[i] for i in p}):
+            members = [i for i in p if row_group[i] == g]
+            lay += members + [None] * (_round_up(len(members), micro_batch) - len(members))
+        layout.append(lay)
     lengths = [len(r.prompt_tokens) + len(r.completion_tokens) for r in kept] or [1]
     T = length_bucket(max(lengths), minimum=64)
     W = length_bucket(max([len(r.completion_tokens) for r in kept] or [1]), minimum=16)
     if max_len is not None and T > max_len:
         raise ValueError(f"a row has {max(lengths)} tokens but update.max_seq_len is {max_len}; "
                          "raise it or lower the sampling lengths")
-    R = rows_bucket(max(len(p) for p in per_slot), micro_batch)
+    R = rows_bucket(max(len(p) for p in layout), micro_batch)
     S = num_slots
     b = TrainBatch(
         tokens=np.full((S, R, T), pad_id, np.int32), valid=np.zeros((S, R, T), bool),
@@ -130,8 +146,10 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
         old_logp=np.zeros((S, R, W), np.float32), advantages=np.zeros((S, R), np.float32),
         row_weight=np.zeros((S, R), np.float32), group=np.full((S, R), -1, np.int32),
         kl_coef=np.zeros((S, R), np.float32), den=den)
-    for s, idxs in enumerate(per_slot):
+    for s, idxs in enumerate(layout):
         for j, i in enumerate(idxs):
+            if i is None:
+                continue
             r = rows[i]
             p, c = list(r.prompt_tokens), list(r.completion_tokens)
             seq = p + c
@@ -145,6 +163,6 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
             b.old_logp[s, j, : len(c)] = np.asarray(r.logprobs, np.float32)
             b.advantages[s, j] = advantages[i]
             b.row_weight[s, j] = 1.0
-            b.group[s, j] = group_of(groups, r.role, r.call_index)
+            b.group[s, j] = row_group[i]
             b.kl_coef[s, j] = (kl_coef or {}).get(r.role, 0.0)
     return b

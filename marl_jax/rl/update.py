@@ -2,15 +2,17 @@
 
 One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
   1. scans over micro-batches; in each, one forward pass per slot (jax.vmap over the slot axis)
-     gives every row's loss numerator, and its VJP is pulled back once per diagnostic group
-     (cotangent = that group's rows / the slot's denominator). The loss is a sum of per-row terms
-     over a denominator fixed for the whole batch, so accumulating these VJPs is exact;
+     gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
+     denominator) its gradient. The loss is a sum of per-row terms over a denominator fixed for
+     the whole batch, so accumulating micro-batch gradients is exact. With diagnostics on, the
+     batch is group-aligned (every micro-batch holds rows of one diagnostic group), so each
+     micro-batch gradient is added to its group's accumulator: exact per-group gradients for the
+     price of one backward pass;
   2. sums the group gradients per slot into the slot gradient (exactly the gradient of the slot's
      loss, so under Shared-Policy the per-role gradients add up to the full gradient by
      construction) and measures per-role norms, projection shares, cosines and copy alignment;
   3. clips and applies AdamW per slot (optim.per_slot), unless the loss or any gradient is not
      finite: then the update is skipped and counted, and parameters stay as they were.
-With diagnostics off there is a single cotangent (all rows) and no group bookkeeping.
 
 Each slot's loss is normalised by its own rows, so an Isolated-Policy slot's step does not depend
 on how many rows other roles had: the reference's separate per-role updates.
@@ -160,28 +162,28 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             return jax.vmap(for_role)(jnp.arange(K))
 
         def body(carry, xs):
-            acc, num_total = carry
+            acc, num_total, mixed = carry
             r, w, grp = xs
             nums, vjp, aux = jax.vjp(lambda tr: fwd(tr, r), state.trainable, has_aux=True)
             num_total = num_total + jnp.sum(nums * w, axis=1)
+            (gr,) = vjp((w / den[:, None]).astype(nums.dtype))
             if ucfg.diagnostics:
-                def group_grad(g):
-                    cot = jnp.where(grp == g, w, 0.0) / den[:, None]
-                    (gr,) = vjp(cot.astype(nums.dtype))
-                    return jax.tree_util.tree_map(lambda x: x[g_slot[g]], gr)  # only its slot is nonzero
-                gg = jax.lax.map(group_grad, jnp.arange(G))
-                acc = jax.tree_util.tree_map(jnp.add, acc, gg)
+                mg = jnp.max(grp, axis=1)  # [S]: this micro-batch's group in each slot, -1 if all padding
+                mixed = mixed + jnp.sum((grp >= 0) & (grp != mg[:, None]))
+                acc = jax.tree_util.tree_map(lambda a, g: a.at[jnp.where(mg >= 0, mg, G)].add(g, mode="drop"),
+                                             acc, gr)
             else:
-                (gr,) = vjp((w / den[:, None]).astype(nums.dtype))
                 acc = jax.tree_util.tree_map(jnp.add, acc, gr)
-            return (acc, num_total), (role_stats(aux, r, w, grp) if ucfg.metrics else None)
+            return (acc, num_total, mixed), (role_stats(aux, r, w, grp) if ucfg.metrics else None)
 
         acc0 = (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
                 if ucfg.diagnostics else zeros_slot)
-        (acc, num_total), mstats = jax.lax.scan(body, (acc0, jnp.zeros((S,), jnp.float32)),
-                                                (mrows, mweight, mgroup))
+        (acc, num_total, mixed), mstats = jax.lax.scan(
+            body, (acc0, jnp.zeros((S,), jnp.float32), jnp.int32(0)), (mrows, mweight, mgroup))
         loss_per_slot = num_total / den
         metrics = {"loss": jnp.sum(loss_per_slot), "loss_per_slot": loss_per_slot}
+        if ucfg.diagnostics:  # rows of another group in a micro-batch: the batch was not group-aligned
+            metrics["misaligned_rows"] = mixed
 
         if ucfg.diagnostics:
             grads = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_slot, num_segments=S), acc)

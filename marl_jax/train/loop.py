@@ -49,6 +49,9 @@ def _host(x):
 def update_record(m: dict, roles, role_to_slot, copies) -> dict[str, float]:
     """Flatten the update's metrics into named scalars (see marl_jax.train.metrics for names)."""
     out = {"loss": float(_host(m["loss"])), "finite": bool(_host(m["finite"]))}
+    if int(_host(m.get("misaligned_rows", 0))):
+        raise ValueError("per-group gradients need a group-aligned batch: build it with "
+                         "make_batch(..., align_groups=True)")
     if "role_grad_norm" in m:
         norm, share = _host(m["role_grad_norm"]), _host(m["role_grad_share"])
         nshare, align, cos = _host(m["role_grad_norm_share"]), _host(m["role_copy_alignment"]), _host(m["role_grad_cos"])
@@ -169,7 +172,8 @@ class Trainer:
         adv = np.where([r.trained for r in rows], adv, 0.0).astype(np.float32)
         batch = make_batch(rows, adv, role_to_slot=rt.role_to_slot, num_slots=rt.spec.num_slots, groups=self.groups,
                            micro_batch=c.grpo.micro_batch, pad_id=rt.tokenizer.pad_id, kl_coef=self.kl_coef,
-                           agg=c.grpo.agg, keep_zero_advantage=self.ucfg.kl or self.ucfg.entropy_coef != 0.0)
+                           agg=c.grpo.agg, keep_zero_advantage=self.ucfg.kl or self.ucfg.entropy_coef != 0.0,
+                           align_groups=c.grpo.diagnostics)
         t1 = time.perf_counter()
         fn = self.step_fn if step % max(c.grpo.diagnostics_every, 1) == 0 else self.plain_step_fn
         self.state, m = fn(self.state, rt.base, jax.tree_util.tree_map(jnp.asarray, batch))
