@@ -36,6 +36,8 @@ SWEEP = {
                         {"no_cell_json": True}),
     # metrics stop at step 10 of 20 (still running or killed)
     "sa-sp-1.7b-partial": ("single_agent", "shared", "math", "qwen3-1.7b", 0, 20, {0: 0.50, 10: 0.60}, {}),
+    # just started: only the base validation so far
+    "vote-ip-135m-running": ("voting", "isolated", "math", "smollm2-135m", 0, 20, {0: 0.30}, {}),
     "eo-sp-135m-nometrics": ("eval_opt", "shared", "math", "smollm2-135m", 0, 20, None, {}),
     # sweep.jsonl: its last launch exited 1
     "eo-ip-135m-failed": ("eval_opt", "isolated", "math", "smollm2-135m", 0, 20, {0: 0.3, 10: 0.4}, {}),
@@ -183,6 +185,8 @@ def test_missing_and_incomplete(summaries):
     assert summaries["eo-ip-135m-failed"]["problem"] == "run failed (exit 1): RuntimeError: out of memory"
     assert summaries["sa-ip-135m-s0"]["status"] == "ok"  # failed once, then a launch that finished
     assert summaries["sa-sp-1.7b-partial"]["status"] == "incomplete"
+    assert summaries["vote-ip-135m-running"]["status"] == "incomplete"
+    assert summaries["vote-ip-135m-running"]["peak"] is None
     assert "not-a-cell" not in summaries
     assert len(summaries) == len(SWEEP)
 
@@ -231,6 +235,10 @@ def test_heatmap_values_at_row_col(summaries):
     np.testing.assert_allclose(img.filled(np.nan), want)
     texts = {(round(t.get_position()[0]), round(t.get_position()[1])): t.get_text() for t in ax.texts}
     assert texts[(0, 0)].startswith("+0.125") and texts[(1, 0)] == "n/a" and texts[(1, 2)] == "-0.150"
+    # with incomplete runs: the partial 1.7b single_agent run against its base cell (0.35, not its step 0)
+    part = {(g.task, g.policy): g for g in heatmap_grids(rows_, "delta_final", include_incomplete=True)}
+    np.testing.assert_allclose(part[("math", "shared")].values[0, 1], 0.60 - 0.35)
+    assert np.isnan(part[("math", "isolated")].values[2, 0])  # the running cell has nothing after step 0
     peak = {(g.task, g.policy): g for g in heatmap_grids(rows_, "delta_peak")}
     np.testing.assert_allclose(peak[("math", "shared")].values[2, 1], 0.70 - 0.35)
 
@@ -268,7 +276,7 @@ def test_cli_end_to_end(sweep, tmp_path):
     for name in SWEEP:
         assert name in readme, name
     missing = readme.split("## Missing, failed or incomplete cells")[1]
-    for name in ("eo-sp-135m-nometrics", "eo-ip-135m-failed", "sa-sp-1.7b-partial"):
+    for name in ("eo-sp-135m-nometrics", "eo-ip-135m-failed", "sa-sp-1.7b-partial", "vote-ip-135m-running"):
         assert name in missing
     assert "sa-sp-135m-s0" not in missing
     with open(out / "cells.csv") as f:

@@ -283,10 +283,10 @@ def _status(cell: Cell, own: Mapping[str, Any]) -> tuple[str, str | None]:
         return "missing", cell.problem
     if own["final"] is None:
         return "missing", "no val/success record"
+    if cell.planned_steps is not None and own["last_step"] < cell.planned_steps and not cell.finished:
+        return "incomplete", f"metrics stop at step {own['last_step']} of {cell.planned_steps}"
     if cell.kind == "train" and own["peak"] is None:
         return "missing", "no validation after step 0"
-    if (cell.planned_steps is not None and own["last_step"] < cell.planned_steps and not cell.finished):
-        return "incomplete", f"metrics stop at step {own['last_step']} of {cell.planned_steps}"
     return "ok", None
 
 
@@ -347,7 +347,8 @@ def summarize(cells: Sequence[Cell], *, base_from: str = "cell", **cliff_kwargs:
 
 
 def _usable(s: Mapping[str, Any], include_incomplete: bool) -> bool:
-    return s["kind"] == "train" and (s["status"] == "ok" or (include_incomplete and s["status"] == "incomplete"))
+    return (s["kind"] == "train" and s["peak"] is not None and s["final"] is not None
+            and (s["status"] == "ok" or (include_incomplete and s["status"] == "incomplete")))
 
 
 def all_roles(summaries: Iterable[Mapping[str, Any]]) -> list[str]:
