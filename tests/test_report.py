@@ -309,3 +309,16 @@ def test_unmatched_only_among_workflows_run_under_both_policies():
     pairs, unmatched = match_ip_sp(rows_)
     assert [(p["shared"], p["isolated"]) for p in pairs] == [("b", "c")]
     assert unmatched == ["d"]  # single_agent runs shared only: not a missing counterpart
+
+
+def test_pages_of_small_multiples(sweep, summaries, monkeypatch):
+    import marl_jax.experiments.report as report
+
+    monkeypatch.setattr(report, "PANELS_PER_PAGE", 5)
+    cells, rows_ = load_cells(sweep), list(summaries.values())
+    # 8 train cells have metrics (single_agent x5 incl. partial, voting x3 incl. running); the failed and
+    # no-metrics cells have none, the base cell is not a training run
+    for pages in (curves_figures(cells, rows_), grad_figures(cells, rows_, "norm"),
+                  grad_figures(cells, rows_, "share")):
+        assert [len(drawn) for _, drawn in pages] == [5, 3]
+        assert [len(fig.axes) for fig, _ in pages][1] == 3

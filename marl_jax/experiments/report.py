@@ -3,7 +3,8 @@
 A sweep root holds one run folder per cell, ``<root>/<cell>/``, with ``config.json`` (written by the
 trainer), ``cell.json`` (written by the sweep; preferred where both say something), ``metrics.jsonl``
 (:mod:`marl_jax.train.metrics`) and ``run.log``; ``<root>/sweep.jsonl`` holds the sweep's record of
-each launch (:mod:`marl_jax.experiments.matrix`), whose last exit code per cell says whether it failed. Everything here is a pure function of those files:
+each launch (:mod:`marl_jax.experiments.matrix`), whose last exit code per cell says whether it failed.
+Everything here is a pure function of those files:
 :func:`load_cells` -> :func:`summarize` (one flat dict per cell) -> figures and tables;
 :func:`write_report` puts them in a folder with a ``README.md``.
 
@@ -46,7 +47,8 @@ from marl_jax.train.cliff import detect_cliff, trailing_mean
 from marl_jax.train.metrics import read_metrics
 from marl_jax.train.summary import TRAIN_WINDOW, curve, infer_roles, merge_by_step
 
-__all__ = ["Cell", "Grid", "all_roles", "load_cells", "load_cell", "sweep_exit_codes", "summarize", "model_label", "model_scale", "heatmap_grids",
+__all__ = ["Cell", "Grid", "all_roles", "load_cells", "load_cell", "sweep_exit_codes", "summarize", "model_label",
+           "model_scale", "heatmap_grids",
            "heatmap_figure", "match_ip_sp", "ip_sp_figure", "curves_figures", "grad_figures", "cells_csv",
            "cells_table", "cliff_table", "ip_sp_table", "write_report", "WORKFLOW_ORDER", "FIELDS"]
 
@@ -465,8 +467,11 @@ def match_ip_sp(summaries: Sequence[Mapping[str, Any]], *, include_incomplete: b
                           "shared": a["name"], "isolated": b["name"], "sp_peak": a["peak"], "ip_peak": b["peak"],
                           "sp_final": a["final"], "ip_final": b["final"]})
         unmatched += [(key[0], s["name"]) for s in (sp[len(ip):] + ip[len(sp):])]
-    both = {w for w in {s["workflow"] for s in summaries if s["kind"] == "train"}
-            if {s["policy"] for s in summaries if s["kind"] == "train" and s["workflow"] == w} >= {"shared", "isolated"}}
+    policies: dict[str, set] = {}
+    for s in summaries:
+        if s["kind"] == "train":
+            policies.setdefault(s["workflow"], set()).add(s["policy"])
+    both = {w for w, ps in policies.items() if ps >= {"shared", "isolated"}}
     pairs.sort(key=lambda p: (p["task"], _workflow_rank(p["workflow"]), _scale_rank(p["model"]),
                               p["seed"] if p["seed"] is not None else -1))
     return pairs, sorted(n for w, n in unmatched if w in both)
@@ -492,7 +497,8 @@ def ip_sp_figure(pairs: Sequence[Mapping[str, Any]]) -> tuple[Figure, dict[str, 
     hi = max(1.0, float(pts.max())) if len(pts) else 1.0
     ax.plot([lo, hi], [lo, hi], color="gray", ls="--", lw=1, zorder=1)
     ax.set(xlim=(lo - 0.02, hi + 0.02), ylim=(lo - 0.02, hi + 0.02), xlabel="Shared policy val/success",
-           ylabel="Isolated policy val/success", title="Isolated vs Shared, matched cells\n(above the diagonal: Isolated better)")
+           ylabel="Isolated policy val/success",
+           title="Isolated vs Shared, matched cells\n(above the diagonal: Isolated better)")
     handles = [ax.scatter([], [], marker="o", color="black", label="peak"),
                ax.scatter([], [], marker="s", facecolors="none", edgecolors="black", label="final")]
     handles += [ax.scatter([], [], marker="o", color=f"C{i % 10}", label=w) for i, w in enumerate(workflows)]
@@ -733,7 +739,8 @@ def write_report(root: str | os.PathLike, out: str | os.PathLike, *, base_from: 
           f"Figures use {used} train cells; the tables list every cell.", "",
           "All numbers are validation pass@1 (`val/success`, a fraction). *base*: "
           + ("the untrained model's base cell of the same task and model (same workflow when there is one, "
-             "else of another workflow: the sweep's base cells run single_agent; same seed, else the mean over seeds), else the run's step-0 "
+             "else of another workflow: the sweep's base cells run single_agent; same seed, else the mean over "
+             "seeds), else the run's step-0 "
              "validation. " if base_from == "cell" else "the run's own step-0 validation. ") +
           "*peak*: best validation after step 0; *final*: last validation; Δ = value - base. "
           f"*cliff*: terminal collapse by at least {cliff_drop:g} from the running peak that never recovers "
