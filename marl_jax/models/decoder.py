@@ -283,13 +283,20 @@ def unembed(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
+REMAT = ("none", "dots", "full")
+
+
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Array | None = None, *,
             lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
-            return_hidden: bool = False) -> jax.Array:
+            return_hidden: bool = False, remat: str = "none") -> jax.Array:
     """Teacher-forced forward pass over full sequences (training, scoring, parity).
 
     tokens [B, T]; valid [B, T] marks real tokens (left or right padding both work: positions count
     real tokens only, and padding is masked out of attention). Returns float32 logits [B, T, V].
+    remat (what a backward pass keeps per layer): "none" keeps every activation (its [B, H, T, T]
+    attention probabilities dominate memory); "dots" keeps the weight matmuls' outputs and recomputes
+    the attention; "full" keeps only the layer's input and recomputes the layer (about one more
+    forward pass; memory per token per layer is one hidden vector).
     """
     B, T = tokens.shape
     if valid is None:
@@ -306,6 +313,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arra
         x, _ = _layer(cfg, x, lp, lo, lora_scale, positions, kv_fn)
         return x, None
 
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
+    if remat == "dots":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    elif remat == "full":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     x = embed(params, tokens, dtype)
     x, _ = jax.lax.scan(body, x, (params["layers"], lora))
     return x if return_hidden else unembed(params, cfg, x)

@@ -47,6 +47,7 @@ class UpdateConfig:
     micro_batch: int = 8
     diagnostics: bool = True
     metrics: bool = True  # per-role clip fraction / KL / entropy (needs token entropies)
+    remat: str = "full"  # what the backward pass recomputes: none | dots | full (see decoder.forward)
     dtype: Any = jnp.float32
 
     def __post_init__(self):
@@ -78,7 +79,7 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
 
     def window_logits(p, lo):
         h = decoder.forward(p, cfg, rows["tokens"], rows["valid"], lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype,
-                            return_hidden=True)
+                            return_hidden=True, remat=ucfg.remat)
         h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
         return decoder.unembed(p, cfg, h)
 
