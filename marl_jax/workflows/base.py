@@ -209,11 +209,27 @@ def _load_prompt_file(path: str) -> dict:
         return json.load(f)
 
 
+def resolve_prompt_dir(prompt_dir: str | None) -> str:
+    """A folder path, or the name of a packaged set (a subfolder of PROMPT_DIR, e.g. "compact")."""
+    if not prompt_dir:
+        return PROMPT_DIR
+    packaged = os.path.join(PROMPT_DIR, prompt_dir)
+    if not os.path.isdir(prompt_dir) and os.sep not in prompt_dir and os.path.isdir(packaged):
+        return packaged
+    if not os.path.isdir(prompt_dir):
+        sets = sorted(d for d in os.listdir(PROMPT_DIR) if os.path.isdir(os.path.join(PROMPT_DIR, d)))
+        raise FileNotFoundError(f"prompt_dir {prompt_dir!r} is neither a folder nor a packaged prompt set {sets}")
+    return prompt_dir
+
+
 def load_prompts(kind: str, prompt_dir: str | None = None) -> dict:
-    """The prompt templates for one task kind: ``<prompt_dir>/<kind>.json`` (default: packaged)."""
-    path = os.path.join(prompt_dir or PROMPT_DIR, f"{kind}.json")
+    """The prompt templates for one task kind: ``<prompt_dir>/<kind>.json`` (default: packaged).
+
+    prompt_dir may also name a packaged set, e.g. "compact" (short prompts for small models)."""
+    prompt_dir = resolve_prompt_dir(prompt_dir)
+    path = os.path.join(prompt_dir, f"{kind}.json")
     if not os.path.exists(path):
-        have = sorted(f[:-5] for f in os.listdir(prompt_dir or PROMPT_DIR) if f.endswith(".json"))
+        have = sorted(f[:-5] for f in os.listdir(prompt_dir) if f.endswith(".json"))
         raise FileNotFoundError(f"no prompt file for task kind {kind!r} at {path}; kinds with "
                                 f"prompts: {have}")
     return _load_prompt_file(os.path.abspath(path))
