@@ -10,8 +10,9 @@ SmolLM2-135M-Instruct (embedded) in float32. Advantages are random and nonzero; 
 starting policy's own plus N(0, 0.1) noise, so some tokens clip. LoRA B starts at small random values
 (a policy some steps into training) so that the adapters change the output and the loss check covers them.
 
-marl_jax: make_train_step with UpdateConfig(diagnostics=False, metrics=False) is the headline; the step
-with diagnostics and metrics on (one backward pass per role group) is reported after it. Each is timed
+marl_jax: make_train_step with UpdateConfig(diagnostics=False, metrics=False, remat=--remat) is the headline;
+the step with diagnostics and metrics on (exact per-role gradients from group-aligned micro-batches) is
+reported after it. Each is timed
 after a warm-up call, whose time (compilation included) is reported separately.
 PyTorch: transformers' LlamaForCausalLM from the same weights (float32, --threads threads), plain-torch
 LoRA on every decoder nn.Linear with marl_jax's initial A/B, the same loss (PPO clip 0.2/0.28, dual
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed steps per implementation (after one warm-up)")
     p.add_argument("--diag_reps", type=int, default=1, help="timed diagnostics-on steps (0 skips them)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--remat", default="none", choices=("none", "dots", "full"),
+                   help="marl_jax backward recomputation (none keeps every activation, as the PyTorch side does)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.rows < 1 or args.micro_batch < 1 or args.reps < 1:
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     roles = list(ROLE_NAMES[:args.roles])
     role_to_slot = {r: 0 for r in roles}
     groups = make_groups(roles, role_to_slot, None)
-    ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False)
+    ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False, remat=args.remat)
     batch = make_batch(rows, advs.astype(np.float32), role_to_slot=role_to_slot, num_slots=1, groups=groups,
                        micro_batch=args.micro_batch, pad_id=tok.pad_id, agg=ucfg_off.agg)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
@@ -362,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         diag_step = jax_runner(dataclasses.replace(ucfg_off, diagnostics=True, metrics=True))
         dl0, dwarm = diag_step()
         dtimes = [diag_step()[1] for _ in range(args.diag_reps)]
-        print(f"marl_jax step with diagnostics + metrics on ({len(groups.names)} role groups, one backward pass "
+        print(f"marl_jax step with diagnostics + metrics on ({len(groups.names)} role groups, group-aligned micro-batches, one "
               f"each): median {statistics.median(dtimes):.2f}s over {args.diag_reps} ({fmt(dtimes)}); first call "
               f"incl. compile {dwarm:.1f}s; first-step loss {dl0:.7f}")
     print("load average at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
