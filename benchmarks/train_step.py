@@ -365,8 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         diag_step = jax_runner(dataclasses.replace(ucfg_off, diagnostics=True, metrics=True))
         dl0, dwarm = diag_step()
         dtimes = [diag_step()[1] for _ in range(args.diag_reps)]
-        print(f"marl_jax step with diagnostics + metrics on ({len(groups.names)} role groups, group-aligned micro-batches, one "
-              f"each): median {statistics.median(dtimes):.2f}s over {args.diag_reps} ({fmt(dtimes)}); first call "
+        print(f"marl_jax step with diagnostics + metrics on ({len(groups.names)} role groups, group-aligned micro-batches"
+              f"): median {statistics.median(dtimes):.2f}s over {args.diag_reps} ({fmt(dtimes)}); first call "
               f"incl. compile {dwarm:.1f}s; first-step loss {dl0:.7f}")
     print("load average at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
           + f"; whole run {time.perf_counter() - t_start:.0f}s")
