@@ -15,11 +15,11 @@ from marl_jax.experiments.matrix import matrix_config
 
 MULTI_AGENT = ("eval_opt", "voting", "orch_workers")
 
-# Every cpu-small cell gets these (on top of the embedded preset); sized for ~4-5 minutes a cell on 2 cores.
+# Every cpu-small cell gets these (on top of the embedded preset); sized for ~5-8 minutes a cell on 2 cores.
 CPU_SMALL = {
-    "train.steps": 8,
-    "train.val_every": 4,
-    "train.ckpt_every": 4,
+    "train.steps": 6,
+    "train.val_every": 3,
+    "train.ckpt_every": 3,
     "num_tasks": 4,
     "rollout.group_size": 4,
     "task.val_size": 32,

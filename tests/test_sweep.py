@@ -23,11 +23,19 @@ SWEEP = str(REPO / "launch" / "sweep.py")
 MULTI = ("eval_opt", "voting", "orch_workers")
 
 
-def _preset(arg: str):
+def _presets_module():
     spec = importlib.util.spec_from_file_location("matrix_presets", REPO / "configs" / "matrix.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.get_config(arg)
+    return mod
+
+
+def _preset(arg: str):
+    return _presets_module().get_config(arg)
+
+
+CPU_STEPS = _presets_module().CPU_SMALL["train.steps"]
+CPU_VAL_EVERY = _presets_module().CPU_SMALL["train.val_every"]
 
 
 def _sweep(*args, timeout=120):
@@ -80,9 +88,9 @@ def test_cpu_small_preset_cells():
     assert len({c.name for c in cells}) == len(cells)
     for c in cells:
         assert c.config_arg == ""  # the bare config file: the embedded CPU run
-        assert c.overrides["train.steps"] == (0 if c.kind == "base" else 8)
-        assert c.overrides["train.val_every"] == 4
-    assert mx.flatten(m.overrides)["train.steps"] == 8  # one flat dict, nested for --matrix.overrides.<key>
+        assert c.overrides["train.steps"] == (0 if c.kind == "base" else CPU_STEPS)
+        assert c.overrides["train.val_every"] == CPU_VAL_EVERY
+    assert mx.flatten(m.overrides)["train.steps"] == CPU_STEPS  # one flat dict, nested for --matrix.overrides.<key>
 
 
 def test_every_command_builds_the_config_run_py_builds(tmp_path):
@@ -101,7 +109,7 @@ def test_every_command_builds_the_config_run_py_builds(tmp_path):
             if cell.kind == "base":
                 assert c.train.steps == 0
             else:
-                assert c.train.steps == (300 if preset == "paper" else 8)
+                assert c.train.steps == (300 if preset == "paper" else CPU_STEPS)
             assert mx.cell_config(cell).to_dict() == c.to_dict()
 
 
