@@ -162,7 +162,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 return st
             return jax.vmap(for_role)(jnp.arange(K))
 
-        def body(carry, xs):
+        def compute(carry, xs):
             acc, num_total, mixed = carry
             r, w, grp = xs
             nums, vjp, aux = jax.vjp(lambda tr: fwd(tr, r), state.trainable, has_aux=True)
@@ -176,6 +176,12 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             else:
                 acc = jax.tree_util.tree_map(jnp.add, acc, gr)
             return (acc, num_total, mixed), (role_stats(aux, r, w, grp) if ucfg.metrics else None)
+
+        def body(carry, xs):
+            # Micro-batches of padding only (bucketed row counts, group alignment) are skipped, not computed.
+            stats_shape = jax.eval_shape(lambda c, x: compute(c, x)[1], carry, xs)
+            skip = lambda c, x: (c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
+            return jax.lax.cond(jnp.any(xs[1] > 0), compute, skip, carry, xs)
 
         acc0 = (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
                 if ucfg.diagnostics else zeros_slot)
