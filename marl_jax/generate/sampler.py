@@ -23,6 +23,7 @@ import numpy as np
 
 from marl_jax.models import decoder
 from marl_jax.models.decoder import KVCache, ModelConfig
+from marl_jax.models.sharding import to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +286,7 @@ class Sampler:
             can_shrink = self.compaction and B > self.min_batch
             step0 = int(state.step)
             state = decode(params, trainable, slot, state, key, jnp.int32(B // 2 if can_shrink else 0))
-            active = np.asarray(state.active)
+            active = to_host(state.active)
             step = int(state.step)
             self.stats["decode_steps"] += step - step0
             self.stats["row_steps"] += (step - step0) * B
@@ -304,10 +305,10 @@ class Sampler:
 
     def _harvest(self, state: DecodeState, out: SampleOutput):
         """Copy every real row's results so far to the host output (live rows are overwritten later)."""
-        rid = np.asarray(state.row_id)
+        rid = to_host(state.row_id)
         real = rid >= 0
-        toks = np.asarray(state.out_tokens)[real]
-        lps = np.asarray(state.out_logp)[real]
+        toks = to_host(state.out_tokens)[real]
+        lps = to_host(state.out_logp)[real]
         rows = rid[real]
         Tn_out = out.tokens.shape[1]
         lengths = np.zeros(len(rows), np.int32)

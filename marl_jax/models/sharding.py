@@ -92,3 +92,12 @@ def constrain_state(state, mesh: Mesh, cfg) -> Any:
     rest = {f: c(getattr(state, f), batch_spec(getattr(state, f).shape, mesh))
             for f in ("token", "pos", "active", "out_tokens", "out_logp", "row_id", "max_len")}
     return DecodeState(cache=cache, step=state.step, **rest)
+
+
+def to_host(x) -> np.ndarray:
+    """A jax.Array as a numpy array on every process. Arrays sharded across processes (multi-host)
+    are all-gathered, so each host's Python logic (stopping, compaction, rollouts) sees the same values."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)

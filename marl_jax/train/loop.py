@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marl_jax.models.sharding import to_host
 from marl_jax.policy.sampling import PolicySampler
 from marl_jax.rl import optim
 from marl_jax.rl.advantages import grpo_advantages, group_outcomes
@@ -43,7 +44,7 @@ def parallel_copies(workflow) -> dict[str, int]:
 
 
 def _host(x):
-    return np.asarray(jax.device_get(x))
+    return to_host(x)
 
 
 def update_record(m: dict, roles, role_to_slot, copies) -> dict[str, float]:
@@ -144,8 +145,10 @@ class Trainer:
             self.data.set_state(meta["data"])
             self.monitor.load_state(meta["cliff"])
             self.start_step = latest
-        self.writer = MetricsWriter(workdir, tensorboard=config.train.tensorboard,
+        # One writer per run: on several hosts every process computes the same records; process 0 writes them.
+        self.writer = (MetricsWriter(workdir, tensorboard=config.train.tensorboard,
                                     resume_step=self.start_step if latest is not None else None)
+                       if jax.process_index() == 0 else _NoWriter())
 
     def _ckpt_state(self):
         s = self.state
@@ -244,6 +247,14 @@ class Trainer:
                 out["table"] = summary_table(recs, list(self.rt.roles))
         self.ckpt.close()
         return out
+
+
+class _NoWriter:
+    def write(self, record):
+        pass
+
+    def close(self):
+        pass
 
 
 def _jsonable(x):
