@@ -245,7 +245,7 @@ def test_summary_later_record_wins_and_missing_base():
     rows = _table_rows(summary_table(recs, []))
     assert rows["val/success"][:5] == ["-", "0.500", "20", "0.500", "-"]
     assert rows["val/success"][5] == "no"
-    assert rows["success"] == ["0.500", "0.500", "1-2"]  # fewer than 10 train steps: both means span all
+    assert rows["success"] == ["1.000", "0.000", "1-2"]  # fewer than 20 train steps: first and last halves
 
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"

@@ -83,7 +83,8 @@ def _val_rows(merged, roles) -> list[tuple[str, str]]:
 def summary_table(records: Sequence[Mapping[str, Any]], roles: Sequence[str] | None = None,
                   **cliff_kwargs: Any) -> str:
     """Markdown tables: validation (base, peak and its step, final, final - base, cliff) per metric,
-    then train means over the first and last ``TRAIN_WINDOW`` train steps.
+    then train means over the first and last ``TRAIN_WINDOW`` train steps (half the steps when fewer
+    than ``2 * TRAIN_WINDOW`` were trained).
 
     ``base`` is the step-0 validation value ("-" if step 0 was not evaluated); ``peak`` is the maximum
     (earliest step on ties); ``final`` is the value at the last validated step. ``cliff_kwargs`` go to
@@ -107,13 +108,15 @@ def summary_table(records: Sequence[Mapping[str, Any]], roles: Sequence[str] | N
                      f"{_fmt(None if base is None else final - base, signed=True)} | {cliff} |")
     train_keys = [("success", "success"), ("reward_mean", "reward_mean")] + [
         (f"{r}/accuracy", f"{r}/accuracy") for r in roles]
-    lines += ["", f"| train metric | first {TRAIN_WINDOW} steps mean | last {TRAIN_WINDOW} steps mean | steps |",
+    # Short runs: halves, so that the first and last windows never overlap.
+    w = min(TRAIN_WINDOW, max(1, len(curve(merged, "success")[1]) // 2))
+    lines += ["", f"| train metric | first {w} steps mean | last {w} steps mean | steps |",
               "|---|---|---|---|"]
     for name, key in train_keys:
         s, v = curve(merged, key)
         if len(v) == 0:
             continue
-        first, last = v[:TRAIN_WINDOW].mean(), v[-TRAIN_WINDOW:].mean()
+        first, last = v[:w].mean(), v[-w:].mean()
         lines.append(f"| {name} | {_fmt(float(first))} | {_fmt(float(last))} | {int(s[0])}-{int(s[-1])} |")
     return "\n".join(lines) + "\n"
 
