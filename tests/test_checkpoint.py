@@ -308,3 +308,14 @@ def test_sharded_arrays_restore_into_a_new_sharding(tmp_path):
                JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_relative_workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = _state()
+    ck = Checkpointer("rel/run")
+    ck.save(3, state, META)
+    ck.wait()
+    restored, meta = Checkpointer("rel/run", read_only=True).restore(template=state)
+    _assert_exact(restored, state)
+    assert meta == META and os.path.isdir(tmp_path / "rel" / "run" / "checkpoints")

@@ -133,7 +133,7 @@ class Checkpointer:
                  async_save: bool = True, read_only: bool = False):
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.workdir = os.fspath(workdir)
+        self.workdir = os.path.abspath(os.fspath(workdir))  # orbax needs absolute paths
         self.directory = os.path.join(self.workdir, "checkpoints")
         self.keep = int(keep)
         self.keep_best = bool(keep_best)
