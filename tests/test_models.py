@@ -33,7 +33,7 @@ def hf_logits(model, tokens, mask, positions) -> np.ndarray:
     with torch.no_grad():
         out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
                     position_ids=torch.tensor(positions))
-    return out.logits.float().numpy()
+    return out.logits.numpy()
 
 
 _forward = jax.jit(decoder.forward, static_argnums=(1,), static_argnames=("dtype",))
@@ -249,6 +249,30 @@ def test_embedded_gguf_logits_match_transformers(smollm, smollm_ref, smollm_ours
     hf_err = float(np.abs(ref32[:F64_ROWS] - ref64)[m64].max())
     assert ours_err <= 2 * hf_err + 1e-6, (ours_err, hf_err)
     np.testing.assert_array_equal(smollm_ours32[mask].argmax(-1), ref32[mask].argmax(-1))
+
+
+def test_embedded_gguf_float64_matches_transformers(smollm, smollm_hf_gguf, smollm_batch, monkeypatch):
+    """The same comparison in float64, where rounding no longer hides a formula difference: within 1e-5.
+
+    transformers normalises in float32 even for float64 inputs; its RMSNorm is patched here to keep the
+    input dtype (marl_jax normalises in float64 for float64 inputs). Both compute rotary angles in float32."""
+    from transformers.models.llama import modeling_llama
+
+    def rms_norm_in_input_dtype(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
+    tokens, mask, pos = (a[:4] for a in smollm_batch)
+    model64 = copy.deepcopy(smollm_hf_gguf).double()
+    ref = hf_logits(model64, tokens, mask, pos)
+    del model64
+    assert ref.dtype == np.float64
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda w: jnp.asarray(np.asarray(w, np.float64)), smollm.params)
+        ours = np.asarray(decoder.forward(params, smollm.cfg, jnp.asarray(tokens), jnp.asarray(mask),
+                                          dtype=jnp.float64))
+    assert ours.dtype == np.float64
+    assert float(np.abs(ours - ref)[mask].max()) <= 1e-5
 
 
 def test_bfloat16_compute_close(smollm, smollm_device_params, smollm_ref, smollm_ours32, smollm_batch):

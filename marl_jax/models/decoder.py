@@ -202,9 +202,14 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> 
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, length), bool))
 
 
+def _acc(dtype):
+    """Accumulation dtype: float32, or float64 when computing in float64 (parity checks under x64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    # Normalise in float32, then scale in the compute dtype (as HF does).
-    xf = x.astype(jnp.float32)
+    # Normalise in float32 (float64 for float64 inputs), then scale in the compute dtype, as transformers does.
+    xf = x.astype(_acc(x.dtype))
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return w.astype(x.dtype) * y.astype(x.dtype)
 
@@ -212,10 +217,12 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding, HF "rotate_half" layout. x: [B, S, H, hd], positions: [B, S]."""
     hd = x.shape[-1]
+    acc = _acc(x.dtype)
+    # Angles and their cos/sin in float32 whatever the compute dtype, as transformers computes them.
     inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
     ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, hd/2]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-    xf = x.astype(jnp.float32)
+    cos, sin = jnp.cos(ang)[:, :, None, :].astype(acc), jnp.sin(ang)[:, :, None, :].astype(acc)
+    xf = x.astype(acc)
     x1, x2 = xf[..., : hd // 2], xf[..., hd // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -237,7 +244,7 @@ def attention(q, k, v, mask):
     B, S, Hq, hd = q.shape
     Hkv = k.shape[2]
     q = q.reshape(B, S, Hkv, Hq // Hkv, hd)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=_acc(q.dtype)) / math.sqrt(hd)
     scores = jnp.where(mask[:, None, None], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
@@ -277,10 +284,10 @@ def embed(params: Params, tokens: jax.Array, dtype) -> jax.Array:
 
 
 def unembed(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final norm and LM head; logits in float32."""
+    """Final norm and LM head; logits in float32 (float64 when computing in float64)."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
 
 
 REMAT = ("none", "dots", "full")
