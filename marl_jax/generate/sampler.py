@@ -1,8 +1,10 @@
 """Batched sampling: a jitted prefill, then a jitted `lax.while_loop` decode over a fixed KV cache.
 
-Shapes are bucketed (batch to powers of two, prompt and new-token lengths to 16 * {1, 1.5} * 2^k) so a run compiles a handful of programs whatever its inputs. Rows that stop early
-do not hold the batch hostage: once at most half the rows are still going, the loop exits, the host
-gathers the live rows into the next smaller batch bucket (`compaction`) and decoding continues there.
+Shapes are bucketed (batch to 2^k and 3 * 2^k, prompt and new-token lengths to 16 * {1, 1.5} * 2^k), so a
+run compiles a handful of programs whatever its inputs. Rows that stop early do not hold the batch
+hostage: once the live rows fit the next smaller batch bucket, the loop exits, the host gathers them
+into that bucket (`compaction`) and decoding continues there. Attention reads a window of the cache
+(a quarter, a half, then all of the new-token slots) so early steps skip the cache's empty end.
 
 Randomness is keyed per (row, token index), so a row's sample does not depend on which other rows
 share its batch or on compaction; the same key gives the same completions.
@@ -79,19 +81,31 @@ def length_bucket(n: int, minimum: int = 16) -> int:
         b *= 2
 
 
-def _batch_bucket(n: int, multiple: int) -> int:
-    b = 1 << (max(n, 1) - 1).bit_length()
-    return max(b, multiple)
+def _batch_bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
+    """Batch size for n rows: `multiple` (the data axis) times 1, 2, 3, 4, 6, 8, 12, ... (2^k and 3 * 2^k),
+    at least `minimum`. The 1.5x steps halve the rows compaction pays for between buckets, against
+    powers of two, and keep the number of compiled shapes logarithmic."""
+    need = max(n, minimum, 1)
+    c = 1
+    while True:
+        for m in ((c,) if c == 1 else (c, c * 3 // 2)):
+            if m * multiple >= need:
+                return m * multiple
+        c *= 2
+
+
+def _next_smaller_bucket(B: int, minimum: int = 1, multiple: int = 1) -> int:
+    """The largest batch bucket below B and at least `minimum` (0 when there is none)."""
+    smaller = [c for c in range(minimum, B) if _batch_bucket(c, minimum, multiple) == c]
+    return smaller[-1] if smaller else 0
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """Pick one token per row from float32 logits [B, V]; returns (tokens [B], log-probs [B])."""
+    scaled = logits if sp.temperature == 0.0 else logits / sp.temperature
     if sp.temperature == 0.0:
-        logp_all = jax.nn.log_softmax(logits, axis=-1)
         tok = jnp.argmax(logits, axis=-1)
     else:
-        scaled = logits / sp.temperature
-        logp_all = jax.nn.log_softmax(scaled, axis=-1)
         masked = scaled
         if sp.top_k > 0:
             kth = jax.lax.top_k(scaled, sp.top_k)[0][:, -1:]
@@ -104,7 +118,9 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams) -> tup
             masked = jnp.where(masked < cutoff, -jnp.inf, masked)
         tok = jax.vmap(jax.random.categorical)(keys, masked)
     tok = tok.astype(jnp.int32)
-    return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+    # log softmax at the chosen token only: the full [B, V] log-softmax costs a pass over the vocabulary.
+    picked = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0]
+    return tok, picked - jax.nn.logsumexp(scaled, axis=-1)
 
 
 def _row_keys(key, row_id, step):
@@ -165,9 +181,9 @@ class Sampler:
             params, lo = self._select(params, trainable, slot)
             logits, cache = decoder.forward_cached(params, cfg, tokens, positions, cache, jnp.int32(0), valid,
                                                    lora=lo, lora_scale=self.lora_scale, dtype=self.dtype,
-                                                   last_only=True)
+                                                   last_only=True, window=P)
             take = lambda x, axis=0: jnp.take(x, expand, axis=axis)
-            cache = KVCache(take(cache.k, 1), take(cache.v, 1), take(cache.valid))
+            cache = cache.map_batch(take)
             logits, positions = take(logits[:, -1]), take(positions)
             B = expand.shape[0]
             tok, lp = sample_tokens(logits, _row_keys(key, row_id, 0), sp)
@@ -182,8 +198,8 @@ class Sampler:
         self._fns[key_] = fn
         return fn
 
-    def _decode_fn(self, sp: SamplingParams, prompt_len: int):
-        key_ = ("decode", sp, prompt_len)
+    def _decode_fn(self, sp: SamplingParams, prompt_len: int, window: int):
+        key_ = ("decode", sp, prompt_len, window)
         if key_ in self._fns:
             return self._fns[key_]
         cfg = self.cfg
@@ -195,12 +211,13 @@ class Sampler:
 
             def cond(s: DecodeState):
                 n = jnp.sum(s.active)
-                return (s.step < Tn) & (n > 0) & (n > min_active)
+                fits = prompt_len + s.step - 1 < window  # the next token's cache slot is inside the window
+                return (s.step < Tn) & (n > 0) & (n > min_active) & fits
 
             def body(s: DecodeState):
                 logits, cache = decoder.forward_cached(
                     params, cfg, s.token[:, None], s.pos[:, None], s.cache, prompt_len + s.step - 1,
-                    s.active[:, None], lora=lo, lora_scale=self.lora_scale, dtype=self.dtype)
+                    s.active[:, None], lora=lo, lora_scale=self.lora_scale, dtype=self.dtype, window=window)
                 tok, lp = sample_tokens(logits[:, 0], _row_keys(key, s.row_id, s.step), sp)
                 tok = jnp.where(s.active, tok, self.pad_id)
                 lp = jnp.where(s.active, lp, 0.0)
@@ -220,7 +237,7 @@ class Sampler:
         if "gather" not in self._fns:
             def gather(state: DecodeState, idx, keep):
                 take = lambda x, axis=0: jnp.take(x, idx, axis=axis)
-                cache = KVCache(take(state.cache.k, 1), take(state.cache.v, 1), take(state.cache.valid))
+                cache = state.cache.map_batch(take)
                 return self._constrain(DecodeState(
                     cache, take(state.token), take(state.pos), state.step, take(state.active) & keep,
                     take(state.out_tokens), take(state.out_logp), jnp.where(keep, take(state.row_id), -1),
@@ -253,7 +270,7 @@ class Sampler:
 
     def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out: SampleOutput):
         n = len(prompts)
-        B = _batch_bucket(n, self.min_batch)
+        B = _batch_bucket(n, self.min_batch, self.data_size)
         P = length_bucket(max(len(p) for p in prompts))
         Tn = length_bucket(sp.max_new_tokens)
         # Identical prompts (the G episodes of a task, parallel voters) are prefilled once.
@@ -261,7 +278,7 @@ class Sampler:
         expand = np.zeros(B, np.int32)
         for i, p in enumerate(prompts):
             expand[i] = uniq.setdefault(tuple(p), len(uniq))
-        Bu = _batch_bucket(len(uniq), self.min_batch)
+        Bu = _batch_bucket(len(uniq), self.min_batch, self.data_size)
         tokens = np.full((Bu, P), self.pad_id, np.int32)
         valid = np.zeros((Bu, P), bool)
         for p, u in uniq.items():
@@ -279,29 +296,41 @@ class Sampler:
         jax.block_until_ready(state.token)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_rows"] += len(uniq)
-        decode = self._decode_fn(sp, P)
         t0 = time.perf_counter()
+        step = 1
         while True:
             B = state.active.shape[0]
-            can_shrink = self.compaction and B > self.min_batch
-            step0 = int(state.step)
-            state = decode(params, trainable, slot, state, key, jnp.int32(B // 2 if can_shrink else 0))
+            # The loop exits to compact once the live rows fit the next smaller bucket, and to widen the
+            # attention window once the cache fills the current one.
+            shrink_to = _next_smaller_bucket(B, self.min_batch, self.data_size) if self.compaction else 0
+            window = next(w for w in self._windows(P, Tn) if w >= P + step)
+            state = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(shrink_to))
             active = to_host(state.active)
-            step = int(state.step)
+            step0, step = step, int(state.step)
             self.stats["decode_steps"] += step - step0
             self.stats["row_steps"] += (step - step0) * B
-            self._harvest(state, out)
             if not active.any() or step >= Tn:
+                self._harvest(state, out)
                 break
+            if active.sum() > shrink_to:
+                continue  # only the window moved
+            self._harvest(state, out)
             # Compact: live rows first, then fillers, into the next smaller bucket.
             live = np.flatnonzero(active)
-            newB = _batch_bucket(len(live), self.min_batch)
+            newB = _batch_bucket(len(live), self.min_batch, self.data_size)
             fill = np.flatnonzero(~active)[: newB - len(live)]
             idx = np.concatenate([live, fill]).astype(np.int32)
             keep = np.arange(newB) < len(live)
             state = self._gather_fn()(state, jnp.asarray(idx), jnp.asarray(keep))
             self.stats["compactions"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _windows(P: int, Tn: int) -> tuple[int, ...]:
+        """Attention windows (cache slots attended) for prompt bucket P: a quarter, a half and all of the
+        new tokens. Early steps, where most row-steps are, skip the cache's empty end; three windows
+        keep the number of compiled decode programs small."""
+        return tuple(sorted({P + max(1, Tn // 4), P + max(1, Tn // 2), P + Tn}))
 
     def _harvest(self, state: DecodeState, out: SampleOutput):
         """Copy every real row's results so far to the host output (live rows are overwritten later)."""

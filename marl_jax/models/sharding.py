@@ -86,7 +86,7 @@ def constrain_state(state, mesh: Mesh, cfg) -> Any:
     def c(x, spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    kv = _fit((None, "data", None, "model", None), state.cache.k.shape, mesh)
+    kv = _fit((None, "data", "model", None, None), state.cache.k.shape, mesh)  # [L, B, Hkv, ., .]
     cache = KVCache(c(state.cache.k, kv), c(state.cache.v, kv),
                     c(state.cache.valid, batch_spec(state.cache.valid.shape, mesh)))
     rest = {f: c(getattr(state, f), batch_spec(getattr(state, f).shape, mesh))
