@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hf_fixtures import left_pad
-from marl_jax.generate.sampler import SampleOutput, Sampler, SamplingParams, sample_tokens
-from marl_jax.models import hf
+from marl_jax.generate.sampler import SampleOutput, Sampler, SamplingParams, _batch_bucket, _next_smaller_bucket, sample_tokens
+from marl_jax.models import decoder, hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -236,6 +236,49 @@ def test_compaction_and_chunking_do_not_change_results(tiny, sampler, sampler_ch
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
+def test_batch_buckets():
+    """Buckets are multiple * {1, 2, 3, 4, 6, 8, 12, ...}, at least the minimum; compaction moves one bucket down."""
+    assert [_batch_bucket(n, 8) for n in (1, 8, 9, 12, 13, 17, 25, 33, 49, 65)] == [8, 8, 12, 12, 16, 24, 32, 48, 64, 96]
+    assert [_batch_bucket(n) for n in range(1, 10)] == [1, 2, 3, 4, 6, 6, 8, 8, 12]
+    assert [_batch_bucket(n, 8, 8) for n in (1, 9, 17, 25, 33, 49)] == [8, 16, 24, 32, 48, 64]  # data axis of 8
+    assert [_next_smaller_bucket(b, 8) for b in (64, 48, 32, 24, 16, 12, 8)] == [48, 32, 24, 16, 12, 8, 0]
+    assert _next_smaller_bucket(24, 8, 8) == 16 and _next_smaller_bucket(16, 16, 8) == 0
+
+
+def test_attention_window_changes_nothing(tiny):
+    """Prefill and decode steps attending over a window of the cache that holds every written slot give the
+    same logits and cache as attending over all of it."""
+    cfg, params, _ = tiny
+    prompts = random_prompts(3, cfg.vocab_size, seed=12, lo=2, hi=9)
+    tokens, mask, _ = left_pad(prompts, pad_id=0)
+    P, T = tokens.shape[1], tokens.shape[1] + 8
+    positions = jnp.asarray(np.maximum(np.cumsum(mask, 1) - 1, 0))
+    run = jax.jit(decoder.forward_cached, static_argnums=(1,), static_argnames=("window",))
+    out = {}
+    for window in (None, P):
+        logits, cache = run(params, cfg, jnp.asarray(tokens), positions, decoder.init_cache(cfg, 3, T), jnp.int32(0),
+                            jnp.asarray(mask), window=window)
+        steps = [logits[:, -1]]
+        pos = positions[:, -1]
+        for j in range(4):  # windows P + 2 and P + 4 cover the slots written so far; None is all T
+            pos = pos + 1
+            w = None if window is None else P + 2 * (j // 2 + 1)
+            tok = jnp.argmax(steps[-1], -1)[:, None].astype(jnp.int32)
+            logits, cache = run(params, cfg, tok, pos[:, None], cache, jnp.int32(P + j), jnp.ones((3, 1), bool),
+                                window=w)
+            steps.append(logits[:, 0])
+        out[window] = (np.stack(steps), cache)
+    np.testing.assert_allclose(out[P][0], out[None][0], atol=1e-5, rtol=0)
+    valid = np.asarray(out[None][1].valid)  # slots of padding tokens hold keys nothing attends to
+    np.testing.assert_array_equal(valid, np.asarray(out[P][1].valid))
+    for a, b in ((out[P][1].k, out[None][1].k), (np.swapaxes(out[P][1].v, -1, -2), np.swapaxes(out[None][1].v, -1, -2))):
+        np.testing.assert_allclose(np.asarray(a) * valid[None, :, None, None], np.asarray(b) * valid[None, :, None, None],
+                                   atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="window"):
+        run(params, cfg, jnp.asarray(tokens), positions, decoder.init_cache(cfg, 3, T), jnp.int32(0),
+            jnp.asarray(mask), window=T + 1)
+
+
 # ------------------------------------------------------------------------------ limits and stops
 
 def test_per_row_limits_pad_the_rest(tiny, sampler):
@@ -282,8 +325,8 @@ def test_stop_tokens_end_rows(tiny, sampler):
 
 def test_compiled_programs_stay_bounded(tiny):
     """Calls with random batch sizes (1-12), prompt lengths (1-16) and per-row limits compile a bounded set of
-    programs (shapes are bucketed): 60 calls, at most 10 programs (prefill per batch and unique-prompt bucket,
-    decode per batch bucket, the compaction gather)."""
+    programs (shapes are bucketed): 60 calls, at most 16 programs (prefill per batch and unique-prompt bucket,
+    decode per batch bucket and attention window, the compaction gather)."""
     cfg, params, _ = tiny
     rng = np.random.RandomState(0)
     sampler = Sampler(cfg)
@@ -306,10 +349,11 @@ def test_compiled_programs_stay_bounded(tiny):
     # Unbucketed, every distinct (rows, longest prompt) pair would compile its own prefill and decode.
     sizes = calls(0, 30)
     assert len(sizes) >= 20
-    assert compiled() <= 10, {k: f._cache_size() for k, f in sampler._fns.items()}
+    assert compiled() <= 16, {k: f._cache_size() for k, f in sampler._fns.items()}
+    first = compiled()
     sizes |= calls(30, 30)
     assert len(sizes) >= 35
-    assert compiled() <= 10, {k: f._cache_size() for k, f in sampler._fns.items()}
+    assert compiled() <= 16 and compiled() - first <= 2, {k: f._cache_size() for k, f in sampler._fns.items()}
 
 
 # ----------------------------------------------------------------------------------------- errors
