@@ -104,8 +104,10 @@ def test_greedy_matches_transformers_generate(smollm, chat_prompts, smollm_hf_ex
         assert bool(out.finished[i]) == (ref[n - 1] in stops)
         np.testing.assert_allclose(lps, ref_lp[i, np.arange(n), ref[:n]], atol=1e-3, rtol=0)
         assert np.all(out.tokens[i, n:] == tok.pad_id)
-    # The batch really mixed rows that stopped with rows that ran to the limit.
+    # The batch really mixed rows that stopped with rows that ran to the limit, and the chat template's shared
+    # system prompt was prefilled once.
     assert out.finished.any() and not out.finished.all() and sampler.stats["compactions"] >= 1
+    assert sampler.stats["prefill_tokens"] < sampler.stats["prompt_tokens"]
 
 
 # ------------------------------------------------------------------------------ log-probs, truncation
@@ -133,6 +135,27 @@ def test_logprobs_equal_teacher_forced_pass(tiny, sampler, temperature, top_p, t
                     assert probs[j][above].sum() / mass < top_p + 1e-6
                 else:
                     assert probs[j][above].sum() < top_p + 1e-6
+
+
+def test_shared_prefix_prefilled_once_changes_nothing(tiny, sampler):
+    """Prompts sharing a 37-token prefix, with own parts of 1 to 12 tokens: the prefix is prefilled once
+    (C = 32 slots shared), and samples and log-probs equal both a sampler that prefills every prompt whole
+    and transformers' teacher-forced pass."""
+    cfg, params, model = tiny
+    rng = np.random.RandomState(4)
+    shared = rng.randint(0, cfg.vocab_size, 37).tolist()
+    prompts = [shared + rng.randint(0, cfg.vocab_size, n).tolist() for n in (1, 5, 12, 3, 8, 2)]
+    sp = SamplingParams(max_new_tokens=16, temperature=0.8)
+    out = sampler.generate(params, prompts, jax.random.PRNGKey(2), sp)
+    st = sampler.stats
+    assert st["prompt_tokens"] == sum(map(len, prompts)) and st["prefill_tokens"] == st["prompt_tokens"] - 5 * 32
+    whole = Sampler(cfg, pad_id=PAD, share_prefix=False)
+    ref = whole.generate(params, prompts, jax.random.PRNGKey(2), sp)
+    assert whole.stats["prefill_tokens"] == whole.stats["prompt_tokens"]
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    for i, (tf_lp, _) in enumerate(teacher_forced_logp(model, prompts, out, 0.8)):
+        np.testing.assert_allclose(out.row(i)[1], tf_lp, atol=1e-4, rtol=0, err_msg=f"row {i}")
 
 
 def test_top_k_1_equals_greedy(tiny, sampler):

@@ -123,6 +123,24 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams) -> tup
     return tok, picked - jax.nn.logsumexp(scaled, axis=-1)
 
 
+def _shared_prefix_len(prompts: Sequence[Sequence[int]], minimum: int = 16) -> int:
+    """Length of the prefix every prompt shares, rounded down to a length bucket (so few programs compile)
+    and leaving each prompt at least one token of its own (its last token's logits start decoding).
+    0 when there is one prompt or the shared part is under `minimum` tokens."""
+    if len(prompts) < 2:
+        return 0
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for p in prompts[1:]:
+        n = next((j for j in range(n) if p[j] != first[j]), n)
+    if n < minimum:
+        return 0
+    b = minimum
+    while length_bucket(b + 1, minimum) <= n:
+        b = length_bucket(b + 1, minimum)
+    return b
+
+
 def _row_keys(key, row_id, step):
     return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(row_id)
 
@@ -138,7 +156,7 @@ class Sampler:
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
-                 spec=None, mesh=None, compaction: bool = True, min_batch: int = 8):
+                 spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
@@ -149,6 +167,7 @@ class Sampler:
         self.pad_id = pad_id
         self.mesh = mesh
         self.compaction = compaction
+        self.share_prefix = share_prefix
         self.data_size = 1 if mesh is None else mesh.shape.get("data", 1)
         self.min_batch = max(min_batch, self.data_size)
         self.stats: dict[str, Any] = {}
@@ -173,15 +192,25 @@ class Sampler:
             return self._fns[key_]
         cfg = self.cfg
 
-        def prefill(params, trainable, slot, tokens, valid, expand, max_len, row_id, key):
-            """Prefill the distinct prompts, then copy each row's prompt cache (`expand` [B] indexes them)."""
-            Bu, P = tokens.shape
-            cache = decoder.init_cache(cfg, Bu, cache_len, self.dtype)
-            positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+        def prefill(params, trainable, slot, prefix, tokens, valid, expand, max_len, row_id, key):
+            """Prefill the distinct prompts, then copy each row's prompt cache (`expand` [B] indexes them).
+
+            prefix [C] holds tokens every distinct prompt starts with (C may be 0); tokens [Bu, S] holds the
+            rest of each prompt, left-padded. The prefix runs once and its keys and values are shared by every
+            row: slots [0, C) hold the prefix, [C, C + S) each row's padded rest. Positions count real tokens,
+            so the padding between the two changes nothing."""
+            Bu, S = tokens.shape
+            C = prefix.shape[0]
             params, lo = self._select(params, trainable, slot)
-            logits, cache = decoder.forward_cached(params, cfg, tokens, positions, cache, jnp.int32(0), valid,
-                                                   lora=lo, lora_scale=self.lora_scale, dtype=self.dtype,
-                                                   last_only=True, window=P)
+            run = functools.partial(decoder.forward_cached, params, cfg, lora=lo, lora_scale=self.lora_scale,
+                                    dtype=self.dtype, last_only=True)
+            cache = decoder.init_cache(cfg, Bu, cache_len, self.dtype)
+            if C:
+                _, one = run(prefix[None], jnp.arange(C)[None], decoder.init_cache(cfg, 1, cache_len, self.dtype),
+                             jnp.int32(0), jnp.ones((1, C), bool), window=C)
+                cache = jax.tree_util.tree_map(lambda x, full: jnp.broadcast_to(x, full.shape), one, cache)
+            positions = C + jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+            logits, cache = run(tokens, positions, cache, jnp.int32(C), valid, window=C + S)
             take = lambda x, axis=0: jnp.take(x, expand, axis=axis)
             cache = cache.map_batch(take)
             logits, positions = take(logits[:, -1]), take(positions)
@@ -260,7 +289,7 @@ class Sampler:
         out = SampleOutput(np.full((n, sp.max_new_tokens), self.pad_id, np.int32),
                            np.zeros((n, sp.max_new_tokens), np.float32), np.zeros(n, np.int32), np.zeros(n, bool))
         self._stops, self._limits = tuple(sp.stop_ids), limits
-        self.stats = {"prefill_rows": 0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0}
+        self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0}
         # Longest prompts first, so each chunk's prompt bucket is tight.
         order = np.argsort([-len(p) for p in prompts], kind="stable")
         for start in range(0, n, self.max_batch):
@@ -271,7 +300,6 @@ class Sampler:
     def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out: SampleOutput):
         n = len(prompts)
         B = _batch_bucket(n, self.min_batch, self.data_size)
-        P = length_bucket(max(len(p) for p in prompts))
         Tn = length_bucket(sp.max_new_tokens)
         # Identical prompts (the G episodes of a task, parallel voters) are prefilled once.
         uniq: dict[tuple, int] = {}
@@ -279,23 +307,31 @@ class Sampler:
         for i, p in enumerate(prompts):
             expand[i] = uniq.setdefault(tuple(p), len(uniq))
         Bu = _batch_bucket(len(uniq), self.min_batch, self.data_size)
-        tokens = np.full((Bu, P), self.pad_id, np.int32)
-        valid = np.zeros((Bu, P), bool)
+        # A prefix all distinct prompts share (a role's system prompt and instructions) is prefilled once.
+        C = _shared_prefix_len(list(uniq)) if self.share_prefix else 0
+        S = length_bucket(max(len(p) for p in uniq) - C)
+        P = C + S
+        tokens = np.full((Bu, S), self.pad_id, np.int32)
+        valid = np.zeros((Bu, S), bool)
         for p, u in uniq.items():
-            tokens[u, P - len(p):] = p
-            valid[u, P - len(p):] = True
+            tokens[u, S - len(p) + C:] = p[C:]
+            valid[u, S - len(p) + C:] = True
         valid[len(uniq):, -1] = True  # filler rows: one dummy token so their softmax is well defined
+        prefix = np.asarray(prompts[0][:C], np.int32)
         rid = np.full(B, -1, np.int32)
         rid[:n] = row_ids
         max_len = np.zeros(B, np.int32)
         max_len[:n] = limits
         slot = jnp.int32(slot)
         t0 = time.perf_counter()
-        state = self._prefill_fn(sp, P + Tn, Tn)(params, trainable, slot, jnp.asarray(tokens), jnp.asarray(valid),
-                                                 jnp.asarray(expand), jnp.asarray(max_len), jnp.asarray(rid), key)
+        state = self._prefill_fn(sp, P + Tn, Tn)(params, trainable, slot, jnp.asarray(prefix), jnp.asarray(tokens),
+                                                 jnp.asarray(valid), jnp.asarray(expand), jnp.asarray(max_len),
+                                                 jnp.asarray(rid), key)
         jax.block_until_ready(state.token)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_rows"] += len(uniq)
+        self.stats["prefill_tokens"] += C + sum(len(p) - C for p in uniq)
+        self.stats["prompt_tokens"] += sum(len(p) for p in uniq)
         t0 = time.perf_counter()
         step = 1
         while True:
