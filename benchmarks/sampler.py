@@ -4,7 +4,7 @@
 
 Workload: chat prompts of simple arithmetic, greedy, SmolLM2-135M-Instruct (embedded) in float32.
 HF runs batches of --hf_batch left-padded prompts; marl_jax runs all prompts as one bucketed batch
-with compaction. marl_jax is timed after one warm-up call (compilation is reported separately).
+(the prefix all prompts share prefilled once, finished rows compacted away). marl_jax is timed after one warm-up call (compilation is reported separately).
 Prints wall times, real (non-padding) tokens per second, the decode step's achieved FLOP/s next to
 a jitted matmul peak measured here, and as its last line `speedup=<HF wall / marl_jax wall>`.
 """
@@ -78,7 +78,8 @@ def main(argv=None):
     ctx = np.mean([len(p) for p in prompts]) + args.max_new_tokens / 2
     step_flops = st["row_steps"] * m.cfg.flops_per_token(int(ctx))
     print(f"marl_jax: wall {jax_wall:.2f}s (first call incl. compile {warm:.1f}s), {jax_tokens} real tokens, "
-          f"{jax_tokens / jax_wall:.1f} tok/s; prefill {st['prefill_s']:.2f}s, decode {st['decode_s']:.2f}s over "
+          f"{jax_tokens / jax_wall:.1f} tok/s; prefill {st['prefill_s']:.2f}s ({st['prefill_tokens']} of "
+          f"{st['prompt_tokens']} prompt tokens computed, the rest a shared prefix), decode {st['decode_s']:.2f}s over "
           f"{st['decode_steps']} steps, {st['row_steps']} row-steps, {st['compactions']} compactions")
     print(f"marl_jax decode: {step_flops / st['decode_s'] / 1e9:.1f} GFLOP/s achieved "
           f"({100 * step_flops / st['decode_s'] / peak:.0f}% of matmul peak; counts every row-step, live or not)")
