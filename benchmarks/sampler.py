@@ -104,6 +104,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         hf.save_hf_dir(d, m.cfg, m.params)
         model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():  # warm-up, as marl_jax gets one
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_id)
     hf_tokens = 0
     agree = 0
     t = time.perf_counter()
