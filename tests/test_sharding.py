@@ -48,6 +48,9 @@ SCRIPT = textwrap.dedent('''
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     key = jax.random.PRNGKey(1)
     g_ref = Sampler(cfg).generate(params, prompts, key, greedy, max_new_tokens=limits)
+    shared = rng.randint(0, cfg.vocab_size, 20).tolist()  # prefilled once, then broadcast over the data axis
+    prefixed = [shared + p for p in prompts]
+    gp_ref = Sampler(cfg).generate(params, prefixed, key, greedy, max_new_tokens=limits)
     out = {"devices": len(jax.devices()), "logits_scale": float(np.abs(ref).max())}
     for data, model in MESHES:
         mesh = sharding.make_mesh(data, model)
@@ -65,6 +68,9 @@ SCRIPT = textwrap.dedent('''
             res["compactions"] = s.stats["compactions"]
             res["greedy_tokens"], res["greedy_ref"] = g.tokens.tolist(), g_ref.tokens.tolist()
             res["greedy_lengths"], res["greedy_ref_lengths"] = g.lengths.tolist(), g_ref.lengths.tolist()
+            gp = s.generate(sharded, prefixed, key, greedy, max_new_tokens=limits)
+            res["prefix_shared"] = s.stats["prefill_tokens"] < s.stats["prompt_tokens"]
+            res["prefixed_tokens"], res["prefixed_ref"] = gp.tokens.tolist(), gp_ref.tokens.tolist()
         out[f"{data}x{model}"] = res
     print("RESULT " + json.dumps(out))
 ''')
@@ -97,6 +103,7 @@ def test_sharded_sampler_greedy_equals_unsharded(report):
     assert r["greedy_lengths"] == r["greedy_ref_lengths"]
     assert r["greedy_tokens"] == r["greedy_ref"]
     assert r["compactions"] >= 1
+    assert r["prefix_shared"] and r["prefixed_tokens"] == r["prefixed_ref"]
 
 
 @pytest.mark.parametrize("mesh", [f"{d}x{m}" for d, m in MESHES])
