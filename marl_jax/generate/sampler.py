@@ -153,6 +153,10 @@ class Sampler:
     Parameters are arguments of the jitted programs (never closed over), so updating them does not
     recompile. `trainable` (optional, see marl_jax.policy.lora) has a leading slot axis; `slot`
     picks one by a traced index, so sampling another role's slot reuses the same program.
+
+    `compaction` and `share_prefix` (prefill a prefix all distinct prompts share once) only save work;
+    turning them off gives the same completions (tests compare both ways). `stats` holds the last
+    call's counts: prefill and decode seconds, rows, prompt tokens computed, row-steps, compactions.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
