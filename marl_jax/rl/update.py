@@ -1,9 +1,9 @@
 """The jitted GRPO update: per-slot loss vmapped over the slot axis, exact per-group gradients.
 
 One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
-  1. scans over micro-batches; in each, one forward pass per slot (jax.vmap over the slot axis)
-     gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
-     denominator) its gradient. The loss is a sum of per-row terms over a denominator fixed for
+  1. scans over work items, one per (slot, micro-batch); in each, a forward pass on that slot's
+     parameters gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
+     denominator) its gradient. Items holding padding only are skipped. The loss is a sum of per-row terms over a denominator fixed for
      the whole batch, so accumulating micro-batch gradients is exact. With diagnostics on, the
      batch is group-aligned (every micro-batch holds rows of one diagnostic group), so each
      micro-batch gradient is added to its group's accumulator: exact per-group gradients for the
@@ -134,29 +134,26 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         rows = {"tokens": batch.tokens, "valid": batch.valid, "win_start": batch.win_start,
                 "targets": batch.targets, "loss_mask": batch.loss_mask,
                 "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
-        # [S, R, ...] -> [M, S, mb, ...]
+        # [S, R, ...] -> [S * M, mb, ...]: one work item per (slot, micro-batch), slot-major. Items run one at
+        # a time on their own slot's parameters, so an item of padding only (a slot with fewer rows than the
+        # largest, bucketing, group alignment) is skipped outright: a slot vmap would compute every slot.
         W = batch.targets.shape[2]
-        split = lambda x: jnp.moveaxis(x.reshape((S, M, mb) + x.shape[2:]), 1, 0)
+        split = lambda x: x.reshape((S * M, mb) + x.shape[2:])
         mrows = jax.tree_util.tree_map(split, rows)
         mweight, mgroup = split(batch.row_weight), split(batch.group)
-        zeros_slot = jax.tree_util.tree_map(jnp.zeros_like, state.trainable)
+        mslot = jnp.repeat(jnp.arange(S, dtype=jnp.int32), M)
         one_slot_zero = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[1:], x.dtype), state.trainable)
 
-        def fwd(trainable, r):
-            return jax.vmap(lambda tr, rr: _row_terms(cfg, spec, ucfg, base, tr, rr))(trainable, r)
-
         def role_stats(aux, r, w, grp):
-            """Additive loss stats per role for this micro-batch: dict of [K]."""
+            """Additive loss stats per role for one item: dict of [K]."""
             def for_role(k):
                 in_role = (jnp.take(g_role, jnp.maximum(grp, 0)) == k) & (grp >= 0)
                 rw = w * in_role
-                st = jax.vmap(lambda lp, ol, adv, m, wt, ent, rf: L.policy_loss_stats(
-                    lp, ol, adv, m, clip_low=ucfg.clip_low, clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip,
-                    agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or W, ref_logp=rf, kl_estimator=ucfg.kl_estimator,
-                    entropy=ent, row_weight=wt),
-                    in_axes=(0, 0, 0, 0, 0, 0 if "entropy" in aux else None, 0 if "ref" in aux else None))(
-                    aux["logp"], aux["old"], r["advantages"], r["loss_mask"], rw, aux.get("entropy"), aux.get("ref"))
-                st = {k2: (v.max(0) if k2.endswith("_max") else v.sum(0)) for k2, v in st.items()}
+                st = L.policy_loss_stats(
+                    aux["logp"], aux["old"], r["advantages"], r["loss_mask"], clip_low=ucfg.clip_low,
+                    clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip, agg=ucfg.agg,
+                    max_len_norm=ucfg.max_len_norm or W, ref_logp=aux.get("ref"), kl_estimator=ucfg.kl_estimator,
+                    entropy=aux.get("entropy"), row_weight=rw)
                 st["rows"] = jnp.sum(rw)
                 st["resp_tokens"] = jnp.sum(r["loss_mask"] * rw[..., None])
                 return st
@@ -164,29 +161,28 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
 
         def compute(carry, xs):
             acc, num_total, mixed = carry
-            r, w, grp = xs
-            nums, vjp, aux = jax.vjp(lambda tr: fwd(tr, r), state.trainable, has_aux=True)
-            num_total = num_total + jnp.sum(nums * w, axis=1)
-            (gr,) = vjp((w / den[:, None]).astype(nums.dtype))
+            r, w, grp, slot = xs
+            mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
+            nums, vjp, aux = jax.vjp(lambda tr: _row_terms(cfg, spec, ucfg, base, tr, r), mine, has_aux=True)
+            num_total = num_total.at[slot].add(jnp.sum(nums * w))
+            (gr,) = vjp((w / den[slot]).astype(nums.dtype))
             if ucfg.diagnostics:
-                mg = jnp.max(grp, axis=1)  # [S]: this micro-batch's group in each slot, -1 if all padding
-                mixed = mixed + jnp.sum((grp >= 0) & (grp != mg[:, None]))
-                acc = jax.tree_util.tree_map(lambda a, g: a.at[jnp.where(mg >= 0, mg, G)].add(g, mode="drop"),
-                                             acc, gr)
+                mg = jnp.max(grp)  # this item's group, -1 if all padding
+                mixed = mixed + jnp.sum((grp >= 0) & (grp != mg))
+                acc = jax.tree_util.tree_map(lambda a, g: a.at[jnp.where(mg >= 0, mg, G)].add(g, mode="drop"), acc, gr)
             else:
-                acc = jax.tree_util.tree_map(jnp.add, acc, gr)
+                acc = jax.tree_util.tree_map(lambda a, g: a.at[slot].add(g), acc, gr)
             return (acc, num_total, mixed), (role_stats(aux, r, w, grp) if ucfg.metrics else None)
 
         def body(carry, xs):
-            # Micro-batches of padding only (bucketed row counts, group alignment) are skipped, not computed.
             stats_shape = jax.eval_shape(lambda c, x: compute(c, x)[1], carry, xs)
             skip = lambda c, x: (c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
             return jax.lax.cond(jnp.any(xs[1] > 0), compute, skip, carry, xs)
 
         acc0 = (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
-                if ucfg.diagnostics else zeros_slot)
+                if ucfg.diagnostics else jax.tree_util.tree_map(jnp.zeros_like, state.trainable))
         (acc, num_total, mixed), mstats = jax.lax.scan(
-            body, (acc0, jnp.zeros((S,), jnp.float32), jnp.int32(0)), (mrows, mweight, mgroup))
+            body, (acc0, jnp.zeros((S,), jnp.float32), jnp.int32(0)), (mrows, mweight, mgroup, mslot))
         loss_per_slot = num_total / den
         metrics = {"loss": jnp.sum(loss_per_slot), "loss_per_slot": loss_per_slot}
         if ucfg.diagnostics:  # rows of another group in a micro-batch: the batch was not group-aligned
