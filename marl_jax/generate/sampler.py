@@ -368,9 +368,12 @@ class Sampler:
     @staticmethod
     def _windows(P: int, Tn: int) -> tuple[int, ...]:
         """Attention windows (cache slots attended) for prompt bucket P: a quarter, a half and all of the
-        new tokens. Early steps, where most row-steps are, skip the cache's empty end; three windows
-        keep the number of compiled decode programs small."""
-        return tuple(sorted({P + max(1, Tn // 4), P + max(1, Tn // 2), P + Tn}))
+        new tokens, so early steps, where most row-steps are, skip the cache's empty end. Each window is
+        a decode program to compile, so they are used only where the new tokens are most of the cache
+        (long completions after short prompts); otherwise the one window is the whole cache."""
+        if Tn < max(64, P):
+            return (P + Tn,)
+        return (P + Tn // 4, P + Tn // 2, P + Tn)
 
     def _harvest(self, state: DecodeState, out: SampleOutput):
         """Copy every real row's results so far to the host output (live rows are overwritten later)."""
