@@ -293,7 +293,8 @@ class Sampler:
         out = SampleOutput(np.full((n, sp.max_new_tokens), self.pad_id, np.int32),
                            np.zeros((n, sp.max_new_tokens), np.float32), np.zeros(n, np.int32), np.zeros(n, bool))
         self._stops, self._limits = tuple(sp.stop_ids), limits
-        self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0}
+        self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "decode_steps": 0, "row_steps": 0, "compactions": 0}
         # Longest prompts first, so each chunk's prompt bucket is tight.
         order = np.argsort([-len(p) for p in prompts], kind="stable")
         for start in range(0, n, self.max_batch):

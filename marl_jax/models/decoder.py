@@ -377,7 +377,7 @@ def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, position
     key_slot = jnp.arange(W)
     query_slot = write_index + jnp.arange(S)
     mask = (key_slot[None, :] <= query_slot[:, None])[None] & valid[:, None, :W]  # [B, S, W]
-    L, H, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    H, hd = cfg.num_kv_heads, cfg.head_dim
 
     def body(carry, xs):
         x, k_cache, v_cache, i = carry

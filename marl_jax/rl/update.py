@@ -1,13 +1,13 @@
-"""The jitted GRPO update: per-slot loss vmapped over the slot axis, exact per-group gradients.
+"""The jitted GRPO update: per-slot losses, one (slot, micro-batch) item at a time, exact per-group gradients.
 
 One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
   1. scans over work items, one per (slot, micro-batch); in each, a forward pass on that slot's
      parameters gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
-     denominator) its gradient. Items holding padding only are skipped. The loss is a sum of per-row terms over a denominator fixed for
-     the whole batch, so accumulating micro-batch gradients is exact. With diagnostics on, the
-     batch is group-aligned (every micro-batch holds rows of one diagnostic group), so each
-     micro-batch gradient is added to its group's accumulator: exact per-group gradients for the
-     price of one backward pass;
+     denominator) its gradient. Items holding padding only are skipped. The loss is a sum of
+     per-row terms over a denominator fixed for the whole batch, so accumulating micro-batch
+     gradients is exact. With diagnostics on, the batch is group-aligned (every micro-batch
+     holds rows of one diagnostic group), so each micro-batch gradient is added to its group's
+     accumulator: exact per-group gradients for the price of one backward pass;
   2. sums the group gradients per slot into the slot gradient (exactly the gradient of the slot's
      loss, so under Shared-Policy the per-role gradients add up to the full gradient by
      construction) and measures per-role norms, projection shares, cosines and copy alignment;
@@ -169,7 +169,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             if ucfg.diagnostics:
                 mg = jnp.max(grp)  # this item's group, -1 if all padding
                 mixed = mixed + jnp.sum((grp >= 0) & (grp != mg))
-                acc = jax.tree_util.tree_map(lambda a, g: a.at[jnp.where(mg >= 0, mg, G)].add(g, mode="drop"), acc, gr)
+                at = jnp.where(mg >= 0, mg, G)
+                acc = jax.tree_util.tree_map(lambda a, g: a.at[at].add(g, mode="drop"), acc, gr)
             else:
                 acc = jax.tree_util.tree_map(lambda a, g: a.at[slot].add(g), acc, gr)
             return (acc, num_total, mixed), (role_stats(aux, r, w, grp) if ucfg.metrics else None)
