@@ -1,11 +1,3 @@
-"""eval_opt workflow. `python launch/run.py --config=configs/eval_opt.py[:<model>,<task>]`; see marl_jax/config.py."""
-from marl_jax import config as common
-
-
-def get_config(arg: str = ""):
-    c = common.base_config("eval_opt", ('generator', 'evaluator'))
-    c.workflow_options.max_iterations = 3  # 3 on math, 2 on code in the reference
-    c = common.apply_preset(c, arg)
-    if c.task.kind == "code":
-        c.workflow_options.max_iterations = 2
-    return c
+"""eval_opt workflow. `python launch/run.py --config=configs/eval_opt.py[:<model>,<task>]`; the preset lives in
+marl_jax/configs/eval_opt.py (importable from the installed package)."""
+from marl_jax.configs.eval_opt import get_config  # noqa: F401

@@ -1,10 +1,3 @@
-"""orch_workers workflow. `python launch/run.py --config=configs/orch_workers.py[:<model>,<task>]`; see marl_jax/config.py."""
-from marl_jax import config as common
-
-
-def get_config(arg: str = ""):
-    c = common.base_config("orch_workers", ('orchestrator', 'worker', 'synthesizer'))
-    c.workflow_options.variant = "strategies"  # or "decompose"
-    c.workflow_options.max_items = 3
-    c = common.apply_preset(c, arg)
-    return c
+"""orch_workers workflow. `python launch/run.py --config=configs/orch_workers.py[:<model>,<task>]`; the preset lives in
+marl_jax/configs/orch_workers.py (importable from the installed package)."""
+from marl_jax.configs.orch_workers import get_config  # noqa: F401

@@ -1,9 +1,3 @@
-"""voting workflow. `python launch/run.py --config=configs/voting.py[:<model>,<task>]`; see marl_jax/config.py."""
-from marl_jax import config as common
-
-
-def get_config(arg: str = ""):
-    c = common.base_config("voting", ('generator', 'aggregator'))
-    c.workflow_options.n_votes = 3
-    c = common.apply_preset(c, arg)
-    return c
+"""voting workflow. `python launch/run.py --config=configs/voting.py[:<model>,<task>]`; the preset lives in
+marl_jax/configs/voting.py (importable from the installed package)."""
+from marl_jax.configs.voting import get_config  # noqa: F401

