@@ -29,6 +29,7 @@ TEST_REQUIRES = [
     "torch==2.13.0",  # the CPU wheel; never let another spec pull a CUDA build
     "accelerate>=1.0",  # transformers' GGUF loading, used as a reference in tests
     "tiktoken>=0.7",  # reference for the Qwen tokenizer stand-in
+    "peft>=0.13",  # reference for exported LoRA adapters (marl_jax.export --adapter)
     "pytest>=8",
     "nbformat>=5.10",
     "nbclient>=0.10",
