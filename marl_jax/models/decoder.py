@@ -1,6 +1,6 @@
-"""One decoder-only transformer for Llama, Qwen2 and Qwen3 checkpoints, as pure functions.
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3 checkpoints, as Flax linen modules used purely.
 
-Parameters are a plain pytree with the layers stacked on a leading axis so one `lax.scan` runs them:
+Parameters are a plain pytree with the layers stacked on a leading axis so one `nn.scan` runs them:
 
     {"embed": [V, D],
      "layers": {"attn_norm": [L, D], "wq": [L, D, Hq*hd], "wk": [L, D, Hkv*hd], "wv": [L, D, Hkv*hd],
@@ -11,6 +11,19 @@ Parameters are a plain pytree with the layers stacked on a leading axis so one `
 
 Matrices are stored [in, out] so a layer is `x @ w`. Family differences are flags on ModelConfig;
 the code has no per-family branches beyond them.
+
+Why linen and not NNX: a policy here is a function of parameters that the trainer owns, stacks per
+slot, shards and donates; linen's `Decoder(cfg).apply({"params": base, "lora": {"layers": adapters}}, ...)`
+takes exactly those plain pytrees, with no module state to split and merge on every call, and
+`nn.scan` / `nn.remat` / `nn.with_logical_partitioning` give the stacked, scanned, logically named
+layers MaxText uses. The variables are two collections: "params" (the frozen base, or one slot of full
+trainable weights) and "lora" (one slot of adapters, {"layers": {name: {"a": [L, in, r], "b": [L, r, out]}}}).
+The trainer keeps trainable trees with a leading slot axis and passes one slot in (see
+marl_jax.policy.lora); the KV cache is an explicit argument and result.
+
+Every parameter carries logical axis names (`param_axes`), and the main activations are constrained
+with logical names when a mesh is given; marl_jax.models.sharding maps the names onto a
+("data", "fsdp", "model") mesh with a rules table.
 """
 from __future__ import annotations
 
@@ -18,6 +31,7 @@ import dataclasses
 import math
 from typing import Any, Mapping, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +39,6 @@ import numpy as np
 Params = Mapping[str, Any]
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -159,33 +172,29 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return out
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random parameters (for tests and benchmarks), std 0.02 like HF's initializer."""
-    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    ks = iter(jax.random.split(key, 16))
+# Logical axes of each layer parameter, without the leading "layers" axis nn.scan adds. q/k/v/o are
+# stored with heads and head_dim merged ([D, H*hd]); splitting that axis over "model" splits whole
+# heads whenever the head count divides.
+_LAYER_AXES = {
+    "attn_norm": ("norm",), "mlp_norm": ("norm",),
+    "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"),
+    "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
+    "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+}
+_TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
 
-    def normal(shape):
-        return (0.02 * jax.random.normal(next(ks), shape)).astype(dtype)
+# Activation names differ from parameter names where a mesh axis may split one but not the other
+# (MaxText's split): the "embed" dimension of weights goes over "fsdp", a hidden vector's does not.
+ACT_HIDDEN = ("batch", "length", "act_embed")
+ACT_HEADS = ("batch", "length", "act_heads")
+ACT_MLP = ("batch", "length", "act_mlp")
+ACT_LOGITS = ("batch", "length", "act_vocab")
 
-    layers = {
-        "attn_norm": jnp.ones((L, D), dtype),
-        "wq": normal((L, D, cfg.q_dim)),
-        "wk": normal((L, D, cfg.kv_dim)),
-        "wv": normal((L, D, cfg.kv_dim)),
-        "wo": normal((L, cfg.q_dim, D)),
-        "mlp_norm": jnp.ones((L, D), dtype),
-        "w_gate": normal((L, D, F)),
-        "w_up": normal((L, D, F)),
-        "w_down": normal((L, F, D)),
-    }
-    if cfg.qkv_bias:
-        layers.update(bq=normal((L, cfg.q_dim)), bk=normal((L, cfg.kv_dim)), bv=normal((L, cfg.kv_dim)))
-    if cfg.qk_norm:
-        layers.update(q_norm=jnp.ones((L, cfg.head_dim), dtype), k_norm=jnp.ones((L, cfg.head_dim), dtype))
-    params = {"embed": normal((cfg.vocab_size, D)), "layers": layers, "final_norm": jnp.ones((D,), dtype)}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = normal((D, cfg.vocab_size))
-    return params
+
+def _normal(key, shape, dtype=jnp.float32):
+    return (0.02 * jax.random.normal(key, shape)).astype(dtype)  # HF's initializer_range
 
 
 class KVCache(NamedTuple):
@@ -204,6 +213,10 @@ class KVCache(NamedTuple):
     def map_batch(self, fn) -> "KVCache":
         """Apply fn(x, axis) to every buffer along its batch axis (row gathers, compaction)."""
         return KVCache(fn(self.k, 1), fn(self.v, 1), fn(self.valid, 0))
+
+
+KV_AXES = KVCache(("layers", "batch", "act_kv_heads", None, None), ("layers", "batch", "act_kv_heads", None, None),
+                  ("batch", None))
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
@@ -238,17 +251,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, lora: Mapping[str, jax.Array] | None, lora_scale: float) -> jax.Array:
-    y = x @ w.astype(x.dtype)
-    if lora is not None:
-        # 2-D [tokens, in] operands: XLA:CPU runs the adapter's weight-gradient matmuls about 2x faster
-        # than with the batch axes left in.
-        x2 = x.reshape(-1, x.shape[-1])
-        d = ((x2 @ lora["a"].astype(x.dtype)) @ lora["b"].astype(x.dtype)) * lora_scale
-        y = y + d.reshape(y.shape)
-    return y
-
-
 def attention(q, k, v, mask):
     """Grouped-query attention. q [B,S,Hq,hd]; k, v [B,T,Hkv,hd]; mask [B,S,T] bool."""
     B, S, Hq, hd = q.shape
@@ -259,86 +261,6 @@ def attention(q, k, v, mask):
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(B, S, Hq * hd)
-
-
-def _layer(cfg: ModelConfig, x, lp, lora, lora_scale, positions, attn_fn):
-    """One transformer block. attn_fn(q, k_new, v_new) -> (attention output [B, S, Hq*hd], carry) hides
-    masking and cache handling."""
-    B, S, _ = x.shape
-    lo = (lambda name: None) if lora is None else (lambda name: lora.get(name))
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = linear(h, lp["wq"], lo("wq"), lora_scale)
-    k = linear(h, lp["wk"], lo("wk"), lora_scale)
-    v = linear(h, lp["wv"], lo("wv"), lora_scale)
-    if cfg.qkv_bias:
-        q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
-    q = q.reshape(B, S, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(B, S, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(B, S, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = rope(q, positions, cfg.rope_theta)
-    k = rope(k, positions, cfg.rope_theta)
-    a, carry = attn_fn(q, k, v)
-    x = x + linear(a, lp["wo"], lo("wo"), lora_scale)
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    g = linear(h, lp["w_gate"], lo("w_gate"), lora_scale)
-    u = linear(h, lp["w_up"], lo("w_up"), lora_scale)
-    x = x + linear(jax.nn.silu(g) * u, lp["w_down"], lo("w_down"), lora_scale)
-    return x, carry
-
-
-def embed(params: Params, tokens: jax.Array, dtype) -> jax.Array:
-    return jnp.take(params["embed"], tokens, axis=0).astype(dtype)
-
-
-def unembed(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final norm and LM head; logits in float32 (float64 when computing in float64)."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
-
-
-REMAT = ("none", "dots", "full")
-
-
-def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Array | None = None, *,
-            lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
-            return_hidden: bool = False, remat: str = "none") -> jax.Array:
-    """Teacher-forced forward pass over full sequences (training, scoring, parity).
-
-    tokens [B, T]; valid [B, T] marks real tokens (left or right padding both work: positions count
-    real tokens only, and padding is masked out of attention). Returns float32 logits [B, T, V].
-    remat (what a backward pass keeps per layer): "none" keeps every activation (its [B, H, T, T]
-    attention probabilities dominate memory); "dots" keeps the weight matmuls' outputs and recomputes
-    the attention; "full" keeps only the layer's input and recomputes the layer (about one more
-    forward pass; memory per token per layer is one hidden vector).
-    """
-    B, T = tokens.shape
-    if valid is None:
-        valid = jnp.ones((B, T), bool)
-    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    mask = causal[None] & valid[:, None, :]
-
-    def attn_fn(q, k, v):
-        return attention(q, k, v, mask), None
-
-    def body(x, xs):
-        lp, lo = xs
-        x, _ = _layer(cfg, x, lp, lo, lora_scale, positions, attn_fn)
-        return x, None
-
-    if remat not in REMAT:
-        raise ValueError(f"remat must be one of {REMAT}, got {remat!r}")
-    if remat == "dots":
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    elif remat == "full":
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    x = embed(params, tokens, dtype)
-    x, _ = jax.lax.scan(body, x, (params["layers"], lora))
-    return x if return_hidden else unembed(params, cfg, x)
 
 
 def cached_attention(q, k_cache, v_cache, mask):
@@ -355,10 +277,221 @@ def cached_attention(q, k_cache, v_cache, mask):
     return out.transpose(0, 3, 1, 2, 4).reshape(B, S, Hq * hd)
 
 
+REMAT = ("none", "dots", "full")
+_REMAT_POLICY = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                 "full": jax.checkpoint_policies.nothing_saveable}
+
+
+class _Sharded(nn.Module):
+    """Activation constraints by logical name; a no-op without a mesh (one device, or inside a caller
+    that places arrays itself)."""
+
+    mesh: Any = None
+    rules: tuple = ()
+
+    def constrain(self, x, names):
+        if self.mesh is None:
+            return x
+        from marl_jax.models import sharding
+        return sharding.constrain(x, names, self.mesh, self.rules)
+
+
+class Block(_Sharded):
+    """One transformer block, scanned over the layer axis. `cached` picks the carry: the hidden state
+    (teacher-forced) or (hidden, k cache, v cache, layer index) (prefill / decode over a KV cache)."""
+
+    cfg: ModelConfig = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    lora_scale: float = 1.0
+    cached: bool = False
+    window: int = 0  # cached: cache slots attended ([0, window))
+
+    def _param(self, name, shape, init=_normal):
+        return self.param(name, nn.with_logical_partitioning(init, _LAYER_AXES[name]), shape, self.param_dtype)
+
+    def _linear(self, x, name, w):
+        y = x @ w.astype(x.dtype)
+        if self.has_variable("lora", name):
+            ab = self.get_variable("lora", name)
+            # 2-D [tokens, in] operands: XLA:CPU runs the adapter's weight-gradient matmuls about 2x
+            # faster than with the batch axes left in.
+            x2 = x.reshape(-1, x.shape[-1])
+            d = ((x2 @ ab["a"].astype(x.dtype)) @ ab["b"].astype(x.dtype)) * self.lora_scale
+            y = y + d.reshape(y.shape)
+        return y
+
+    @nn.compact
+    def __call__(self, carry, positions, mask, write_index):
+        cfg = self.cfg
+        D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        x = carry[0] if self.cached else carry
+        B, S, _ = x.shape
+        ones = nn.initializers.ones
+        h = rms_norm(x, self._param("attn_norm", (D,), ones), cfg.rms_norm_eps)
+        q = self._linear(h, "wq", self._param("wq", (D, cfg.q_dim)))
+        k = self._linear(h, "wk", self._param("wk", (D, cfg.kv_dim)))
+        v = self._linear(h, "wv", self._param("wv", (D, cfg.kv_dim)))
+        if cfg.qkv_bias:
+            q = q + self._param("bq", (cfg.q_dim,)).astype(q.dtype)
+            k = k + self._param("bk", (cfg.kv_dim,)).astype(k.dtype)
+            v = v + self._param("bv", (cfg.kv_dim,)).astype(v.dtype)
+        q = self.constrain(q, ACT_HEADS).reshape(B, S, cfg.num_heads, hd)
+        k = k.reshape(B, S, cfg.num_kv_heads, hd)
+        v = v.reshape(B, S, cfg.num_kv_heads, hd)
+        if cfg.qk_norm:
+            q = rms_norm(q, self._param("q_norm", (hd,), ones), cfg.rms_norm_eps)
+            k = rms_norm(k, self._param("k_norm", (hd,), ones), cfg.rms_norm_eps)
+        q = rope(q, positions, cfg.rope_theta)
+        k = rope(k, positions, cfg.rope_theta)
+        if self.cached:
+            _, k_cache, v_cache, i = carry
+            H, W = cfg.num_kv_heads, self.window
+            k_cache = jax.lax.dynamic_update_slice(
+                k_cache, k.transpose(0, 2, 3, 1)[None].astype(k_cache.dtype), (i, 0, 0, 0, write_index))
+            v_cache = jax.lax.dynamic_update_slice(
+                v_cache, v.transpose(0, 2, 1, 3)[None].astype(v_cache.dtype), (i, 0, 0, write_index, 0))
+            k_all = jax.lax.dynamic_slice(k_cache, (i, 0, 0, 0, 0), (1, B, H, hd, W))[0].astype(q.dtype)
+            v_all = jax.lax.dynamic_slice(v_cache, (i, 0, 0, 0, 0), (1, B, H, W, hd))[0].astype(q.dtype)
+            a = cached_attention(q, k_all, v_all, mask)
+        else:
+            a = attention(q, k, v, mask)
+        x = x + self._linear(a, "wo", self._param("wo", (cfg.q_dim, D)))
+        x = self.constrain(x, ACT_HIDDEN)
+        h = rms_norm(x, self._param("mlp_norm", (D,), ones), cfg.rms_norm_eps)
+        g = self._linear(h, "w_gate", self._param("w_gate", (D, F)))
+        u = self._linear(h, "w_up", self._param("w_up", (D, F)))
+        m = self.constrain(jax.nn.silu(g) * u, ACT_MLP)
+        x = self.constrain(x + self._linear(m, "w_down", self._param("w_down", (F, D))), ACT_HIDDEN)
+        if self.cached:
+            return (x, k_cache, v_cache, i + 1), None
+        return x, None
+
+
+class Decoder(_Sharded):
+    """The whole model. Methods (all pure; call through `apply`):
+
+    __call__(tokens, valid)  teacher-forced logits [B, T, V] (training, scoring, parity);
+    hidden(tokens, valid)    the final hidden states instead of logits;
+    unembed(x)               final norm and LM head on hidden states;
+    cached(...)              prefill / decode against a KVCache (see forward_cached).
+
+    remat (what a backward pass keeps per layer): "none" keeps every activation (its [B, H, T, T]
+    attention probabilities dominate memory); "dots" keeps the weight matmuls' outputs and recomputes
+    the attention; "full" keeps only the layer's input and recomputes the layer.
+    """
+
+    cfg: ModelConfig = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    lora_scale: float = 1.0
+    remat: str = "none"
+
+    def _top(self, name, shape, init=_normal):
+        return self.param(name, nn.with_logical_partitioning(init, _TOP_AXES[name]), shape, self.param_dtype)
+
+    def _layers(self, carry, positions, mask, write_index=None, window: int = 0):
+        cached = window > 0
+        if self.remat not in REMAT:
+            raise ValueError(f"remat must be one of {REMAT}, got {self.remat!r}")
+        block = Block
+        if self.remat != "none" and not cached:
+            block = nn.remat(Block, policy=_REMAT_POLICY[self.remat], prevent_cse=False)
+        scanned = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
+                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=self.cfg.num_layers,
+                          metadata_params={nn.PARTITION_NAME: "layers"})
+        return scanned(cfg=self.cfg, dtype=self.dtype, param_dtype=self.param_dtype, lora_scale=self.lora_scale,
+                       cached=cached, window=window, mesh=self.mesh, rules=self.rules,
+                       name="layers")(carry, positions, mask, write_index)[0]
+
+    @nn.compact
+    def _run(self, tokens=None, valid=None, hidden=None, *, logits=True, cache=None, positions=None,
+             write_index=None, new_valid=None, last_only=False, window=None):
+        cfg = self.cfg
+        embed = self._top("embed", (cfg.vocab_size, cfg.hidden_size))
+        final_norm = self._top("final_norm", (cfg.hidden_size,), nn.initializers.ones)
+        head = None if cfg.tie_word_embeddings else self._top("lm_head", (cfg.hidden_size, cfg.vocab_size))
+        new_cache = None
+        if tokens is not None:
+            x = self.constrain(jnp.take(embed, tokens, axis=0).astype(self.dtype), ACT_HIDDEN)
+            if cache is None:
+                B, T = tokens.shape
+                if valid is None:
+                    valid = jnp.ones((B, T), bool)
+                positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+                mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]
+                hidden = self._layers(x, positions, mask)
+            else:
+                S, T = tokens.shape[1], cache.valid.shape[1]
+                W = T if window is None else window
+                if not 0 < W <= T:
+                    raise ValueError(f"window must be in (0, {T}], got {window}")
+                cvalid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
+                query_slot = write_index + jnp.arange(S)
+                mask = (jnp.arange(W)[None, :] <= query_slot[:, None])[None] & cvalid[:, None, :W]  # [B, S, W]
+                hidden, k, v, _ = self._layers((x, cache.k, cache.v, jnp.int32(0)), positions, mask,
+                                               write_index, W)
+                new_cache = KVCache(k, v, cvalid)
+                if last_only:
+                    hidden = hidden[:, -1:]
+        if not logits:
+            return hidden
+        # Final norm and LM head; logits in float32 (float64 when computing in float64).
+        x = rms_norm(hidden, final_norm, cfg.rms_norm_eps)
+        w = embed.T if head is None else head
+        out = self.constrain(jnp.matmul(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype)), ACT_LOGITS)
+        return out if new_cache is None else (out, new_cache)
+
+    def __call__(self, tokens, valid=None):
+        return self._run(tokens, valid)
+
+    def hidden(self, tokens, valid=None):
+        return self._run(tokens, valid, logits=False)
+
+    def unembed(self, x):
+        return self._run(hidden=x)
+
+    def cached(self, tokens, positions, cache, write_index, new_valid, last_only=False, window=None):
+        return self._run(tokens, cache=cache, positions=positions, write_index=write_index, new_valid=new_valid,
+                         last_only=last_only, window=window)
+
+
+# ---- pure-function entry points: one Decoder, variables passed in ----
+
+def variables(params: Params, lora: Params | None = None) -> dict:
+    """The linen variables of one policy: base (or full) params, and one slot's adapters if any."""
+    out = {"params": params}
+    if lora is not None:
+        out["lora"] = {"layers": lora}
+    return out
+
+
+def _module(cfg, dtype=jnp.float32, lora_scale=1.0, remat="none", mesh=None, rules=()):
+    return Decoder(cfg=cfg, dtype=dtype, lora_scale=lora_scale, remat=remat, mesh=mesh, rules=tuple(rules or ()))
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Array | None = None, *,
+            lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
+            return_hidden: bool = False, remat: str = "none", mesh=None, rules=()) -> jax.Array:
+    """Teacher-forced forward pass over full sequences (training, scoring, parity).
+
+    tokens [B, T]; valid [B, T] marks real tokens (left or right padding both work: positions count
+    real tokens only, and padding is masked out of attention). Returns float32 logits [B, T, V], or
+    the final hidden states with return_hidden. See Decoder for remat.
+    """
+    m = _module(cfg, dtype, lora_scale, remat, mesh, rules)
+    return m.apply(variables(params, lora), tokens, valid, method=Decoder.hidden if return_hidden else Decoder.__call__)
+
+
+def unembed(params: Params, cfg: ModelConfig, x: jax.Array, *, mesh=None, rules=()) -> jax.Array:
+    """Final norm and LM head; logits in float32 (float64 when computing in float64)."""
+    return _module(cfg, x.dtype, mesh=mesh, rules=rules).apply(variables(params), x, method=Decoder.unembed)
+
+
 def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                    cache: KVCache, write_index: jax.Array, new_valid: jax.Array, *,
                    lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
-                   last_only: bool = False, window: int | None = None):
+                   last_only: bool = False, window: int | None = None, mesh=None, rules=()):
     """Run `tokens` [B, S] (written at cache slots write_index..write_index+S-1, the same slots for
     every row) against the cache. Returns (logits [B, S, V] float32, updated cache).
 
@@ -368,36 +501,34 @@ def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, position
     every slot written so far (write_index + S <= window): early decode steps then do not pay for
     the empty end of the cache.
     """
-    B, S = tokens.shape
-    T = cache.valid.shape[1]
-    W = T if window is None else window
-    if not 0 < W <= T:
-        raise ValueError(f"window must be in (0, {T}], got {window}")
-    valid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
-    key_slot = jnp.arange(W)
-    query_slot = write_index + jnp.arange(S)
-    mask = (key_slot[None, :] <= query_slot[:, None])[None] & valid[:, None, :W]  # [B, S, W]
-    H, hd = cfg.num_kv_heads, cfg.head_dim
+    m = _module(cfg, dtype, lora_scale, "none", mesh, rules)
+    return m.apply(variables(params, lora), tokens, positions, cache, write_index, new_valid, last_only, window,
+                   method=Decoder.cached)
 
-    def body(carry, xs):
-        x, k_cache, v_cache, i = carry
-        lp, lo = xs
 
-        def attn_fn(q, k, v):
-            kc = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 3, 1)[None].astype(k_cache.dtype),
-                                              (i, 0, 0, 0, write_index))
-            vc = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3)[None].astype(v_cache.dtype),
-                                              (i, 0, 0, write_index, 0))
-            k_all = jax.lax.dynamic_slice(kc, (i, 0, 0, 0, 0), (1, B, H, hd, W))[0].astype(q.dtype)
-            v_all = jax.lax.dynamic_slice(vc, (i, 0, 0, 0, 0), (1, B, H, W, hd))[0].astype(q.dtype)
-            return cached_attention(q, k_all, v_all, mask), (kc, vc)
+def _abstract(cfg: ModelConfig, dtype=jnp.float32):
+    m = Decoder(cfg=cfg, param_dtype=dtype)
+    return jax.eval_shape(m.init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
 
-        x, (k_cache, v_cache) = _layer(cfg, x, lp, lo, lora_scale, positions, attn_fn)
-        return (x, k_cache, v_cache, i + 1), None
 
-    x = embed(params, tokens, dtype)
-    (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), (params["layers"], lora))
-    return unembed(params, cfg, x[:, -1:] if last_only else x), KVCache(k, v, valid)
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random parameters (tests and benchmarks): N(0, 0.02) matrices, unit norms, like HF's initializer."""
+    boxed = Decoder(cfg=cfg, param_dtype=dtype).init(key, jnp.zeros((1, 1), jnp.int32))
+    return nn.meta.unbox(boxed)["params"]
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """Logical axis names of every parameter, as a tree of tuples shaped like the params (the
+    module's own annotations, read from an abstract init: no memory is allocated)."""
+    specs = nn.get_partition_spec(_abstract(cfg))["params"]
+    return jax.tree_util.tree_map(lambda s: tuple(s), specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+
+
+def lora_axes(cfg: ModelConfig, names) -> dict:
+    """Logical axes of one slot's adapters: a [L, in, r] and b [L, r, out] take the base matrix's in / out names."""
+    layer = param_axes(cfg)["layers"]
+    return {n: {"a": (layer[n][0], layer[n][1], "lora_rank"), "b": (layer[n][0], "lora_rank", layer[n][2])}
+            for n in names}
 
 
 def cast_params(params: Params, dtype) -> Params:
