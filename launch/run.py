@@ -5,7 +5,10 @@
 
 Any config key can be overridden with --config.<key>=<value>; unknown keys and bad values stop the
 run with a message naming the fix. Re-running with the same --workdir resumes from its last
-checkpoint. On several hosts, set --multihost (or the usual JAX coordinator environment).
+checkpoint; a checkpoint made under another config (anything but step counts and logging) is refused,
+listing the differing keys, unless --allow_config_change. Known bad inputs (task files, model folders,
+checkpoints, meshes, a full disk) stop the run with one message naming the fix (MARL_JAX_TRACEBACK=1
+shows the traceback too). On several hosts, set --multihost (or the usual JAX coordinator environment).
 """
 from __future__ import annotations
 
@@ -21,7 +24,12 @@ config_flags.DEFINE_config_file("config", None, "configs/<workflow>.py[:<model>,
 flags.DEFINE_string("workdir", None, "Run folder (metrics, checkpoints, summary). Default: runs/<workflow>-<policy>.")
 flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() (multi-host TPU/GPU).")
 flags.DEFINE_bool("progress", True, "Show a progress bar.")
+flags.DEFINE_bool("allow_config_change", False, "Resume a workdir's checkpoint even though the config differs from "
+                  "the one it was saved with (beyond step counts and logging).")
 FLAGS = flags.FLAGS
+# Errors the library raises for bad inputs, each with a message naming the fix: shown without a traceback.
+# (UnicodeError and json errors are ValueErrors; CheckpointWriteError is an OSError.)
+KNOWN_ERRORS = (ValueError, FileNotFoundError, OSError)
 
 
 def main(argv):
@@ -46,7 +54,13 @@ def main(argv):
     workdir = FLAGS.workdir or os.path.join("runs", f"{config.workflow}-{config.policy}")
     print(f"workflow={config.workflow} policy={config.policy} model={config.model.name} "
           f"task={config.task.kind}/{config.task.source} steps={config.train.steps} workdir={workdir}")
-    out = train(config, workdir, progress=FLAGS.progress)
+    try:
+        out = train(config, workdir, progress=FLAGS.progress, allow_config_change=FLAGS.allow_config_change)
+    except KNOWN_ERRORS as e:
+        if os.environ.get("MARL_JAX_TRACEBACK"):
+            raise
+        print(f"\nerror: {e}", file=sys.stderr)
+        sys.exit(2)
     if jax.process_index() == 0:
         print()
         print(out["table"])

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from marl_jax.tasks import sandbox
 from marl_jax.tasks.base import Score, Task
+from marl_jax.tasks.data import MissingKeyError, TaskFileError, decode_utf8
 
 FAILURE_KINDS = ("timeout", "crash", "wrong_answer", "syntax_error", "killed")
 PYTHON_FENCE_TAGS = ("", "python", "python3", "py", "py3")
@@ -585,24 +586,29 @@ def load_code_jsonl(path: str | os.PathLike, question_key: str = "problem",
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     tasks: list[Task] = []
-    with file.open(encoding="utf-8") as f:
-        for row_no, line in enumerate(f, start=1):
+    flag = {question_key: "question_key", tests_key: "tests_key", id_key: "id_key"}
+    with file.open("rb") as f:  # decoded per line, so a non-UTF-8 byte is reported with its line
+        for row_no, raw in enumerate(f, start=1):
             if limit is not None and len(tasks) >= limit:
                 break
+            line = decode_utf8(raw, file, row_no)
             if not line.strip():
                 continue
-            where = f"{file}: row {row_no}"
+            where = f"{file}: row {row_no}"  # rows are numbered by line
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc})") from None
+                raise TaskFileError(f"{where}: invalid JSON ({exc}) on line {row_no}; fix or delete that line "
+                                    "(the file needs one JSON object per line)") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+                raise TaskFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
             for key in (question_key, tests_key) + ((id_key,) if id_key else ()):
                 if key not in row:
-                    raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(row)})")
+                    raise MissingKeyError(f"{where}: missing key {key!r} (keys: {sorted(row)}); name the right "
+                                          f"field with --config.task.{flag[key]}=... or fix line {row_no}")
             if not isinstance(row[question_key], str) or not row[question_key].strip():
-                raise ValueError(f"{where}: key {question_key!r} must be a non-empty string")
+                raise TaskFileError(f"{where}: key {question_key!r} must be a non-empty string; fill it in or "
+                                    f"delete line {row_no}")
             meta_field = row.get("metadata")
             if isinstance(meta_field, str):
                 try:
@@ -616,7 +622,8 @@ def load_code_jsonl(path: str | os.PathLike, question_key: str = "problem",
             except ValueError as exc:
                 raise ValueError(f"{where}: key {tests_key!r}: {exc}") from None
             if count_tests(spec) == 0:
-                raise ValueError(f"{where}: key {tests_key!r}: no test cases")
+                raise TaskFileError(f"{where}: key {tests_key!r}: no test cases (an empty answer: nothing to grade "
+                                    f"against); add tests or delete line {row_no}")
             task_id = str(row[id_key]) if id_key else f"{file.stem}/{row_no}"
             meta: dict[str, Any] = {"source": str(file), "row": row_no,
                                     "num_tests": count_tests(spec)}

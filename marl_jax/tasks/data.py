@@ -10,6 +10,8 @@ absl flags marked parsed and a ``__main__`` guard in the launching script.)
 """
 from __future__ import annotations
 
+import json
+import os
 import zlib
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -18,7 +20,49 @@ import numpy as np
 
 from marl_jax.tasks.base import Task
 
-__all__ = ["TaskBatchIterator", "task_batches", "split_tasks"]
+__all__ = ["TaskBatchIterator", "task_batches", "split_tasks", "TaskFileError", "MissingKeyError", "read_jsonl",
+           "decode_utf8"]
+
+
+class TaskFileError(ValueError):
+    """A task file that cannot be read as given; the message names the file, the line and the fix."""
+
+
+class MissingKeyError(TaskFileError, KeyError):
+    """A row without a key the loader was told to read (a KeyError too, for callers that catch that)."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+def decode_utf8(raw: bytes, path: str | os.PathLike, lineno: int) -> str:
+    """One line of a task file as text, or an error naming the line, the bad byte and the fix."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TaskFileError(
+            f"{os.fspath(path)}: line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+            f"re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 {os.path.basename(path)} > fixed.jsonl"
+        ) from None
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for each non-blank line of a JSONL file.
+
+    Read as bytes and decoded line by line, so a stray non-UTF-8 byte is reported with its line rather
+    than as a decoder error from somewhere in the file.
+    """
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = decode_utf8(raw, path, lineno)
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskFileError(
+                    f"{os.fspath(path)}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or "
+                    "delete that line (the file needs one JSON object per line)") from None
 
 _REPEAT_TASKS = 2**44  # tasks drawn before a repeating stream ends (~1.8e13, i.e. never)
 

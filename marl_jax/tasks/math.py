@@ -19,6 +19,7 @@ from fractions import Fraction
 from typing import Any, Iterable, Mapping
 
 from marl_jax.tasks.base import Score, Task
+from marl_jax.tasks.data import MissingKeyError, TaskFileError, decode_utf8, read_jsonl
 
 __all__ = [
     "EXTRACTION_MODES",
@@ -386,24 +387,24 @@ def reasoning_gym_tasks(name: str, n: int, seed: int, **difficulty: Any) -> list
 
 
 def _read_rows(path: str) -> Iterable[Mapping[str, Any]]:
-    """Rows of a .jsonl, .json (a list of objects) or .parquet file."""
+    """Rows of a .jsonl, .json (a list of objects) or .parquet file; a .jsonl's come as (line, row) pairs."""
     lower = path.lower()
     if lower.endswith(".jsonl"):
-
-        def rows():
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}: line {lineno} is not valid JSON ({e})") from None
-
-        return rows()
+        return read_jsonl(path)
     if lower.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            lineno = raw[: e.start].count(b"\n") + 1
+            decode_utf8(raw.splitlines()[lineno - 1], path, lineno)  # raises, naming the line
+            raise
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TaskFileError(f"{path}: line {e.lineno} is not valid JSON ({e.msg} at column {e.colno}); "
+                                "fix it, or write one object per line as .jsonl") from None
         if not isinstance(data, list):
             raise ValueError(
                 f"{path}: a .json file must hold a list of objects; use .jsonl for one object per line"
@@ -418,42 +419,45 @@ def _read_rows(path: str) -> Iterable[Mapping[str, Any]]:
     raise ValueError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
 
 
-def _get(row: Mapping[str, Any], key: str, what: str, rowno: int, path: str) -> Any:
+def _get(row: Mapping[str, Any], key: str, what: str, where: str, path: str) -> Any:
     """row[key], where a dotted key ("reward_model.ground_truth") walks nested objects."""
     value: Any = row
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:
             keys = sorted(value) if isinstance(value, Mapping) else type(value).__name__
-            raise KeyError(
-                f"{path}: row {rowno} has no {what} key {key!r} (missing {part!r}; available: {keys}); "
-                f"pass {what}_key=... to load_math_file"
+            raise MissingKeyError(
+                f"{path}: {where} has no {what} key {key!r} (missing {part!r}; available: {keys}); "
+                f"name the right field with --config.task.{what}_key=... ({what}_key=... to load_math_file), "
+                "or fix that row"
             )
         value = value[part]
     return value
 
 
-def _question_text(value: Any, rowno: int, path: str) -> str:
+def _question_text(value: Any, where: str, path: str) -> str:
     # Chat-style prompts (DAPO-Math parquet): a list of {"role", "content"}; use the last user turn.
     if isinstance(value, (list, tuple)) and value and all(isinstance(m, Mapping) for m in value):
         users = [m.get("content") for m in value if m.get("role") == "user"]
         if not users or not isinstance(users[-1], str):
-            raise ValueError(f"{path}: row {rowno}: question is a message list without a user message")
+            raise TaskFileError(f"{path}: {where}: question is a message list without a user message")
         return users[-1]
     if not isinstance(value, str):
-        raise ValueError(
-            f"{path}: row {rowno}: question must be a string or a chat message list, "
+        raise TaskFileError(
+            f"{path}: {where}: question must be a string or a chat message list, "
             f"got {type(value).__name__}"
         )
+    if not value.strip():
+        raise TaskFileError(f"{path}: {where}: empty question; fill it in or delete that row")
     return value
 
 
-def _ground_truth(value: Any, rowno: int, path: str) -> str:
+def _ground_truth(value: Any, where: str, path: str) -> str:
     # GSM8K: reasoning then "#### 42"; MATH: a full solution with \boxed{..}; else the answer itself.
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(
-            f"{path}: row {rowno}: answer must be a string or number, got {type(value).__name__}"
+        raise TaskFileError(
+            f"{path}: {where}: answer must be a string or number, got {type(value).__name__}; fix that row"
         )
     text = str(value).strip()
     if "####" in text:
@@ -461,12 +465,13 @@ def _ground_truth(value: Any, rowno: int, path: str) -> str:
     elif _BOX_RE.search(text):
         boxed = extract_boxed(text)
         if boxed is None:
-            raise ValueError(
-                f"{path}: row {rowno}: answer has a \\boxed but no complete, non-empty one: {text[-80:]!r}"
+            raise TaskFileError(
+                f"{path}: {where}: answer has a \\boxed but no complete, non-empty one: {text[-80:]!r}; fix that row"
             )
         text = boxed
     if not text:
-        raise ValueError(f"{path}: row {rowno}: empty answer")
+        raise TaskFileError(f"{path}: {where}: empty answer; give the row its reference answer or delete it "
+                            "(a task without one can never be graded correct)")
     return text
 
 
@@ -493,16 +498,18 @@ def load_math_file(
     stem = os.path.splitext(os.path.basename(path))[0]
     tasks: list[Task] = []
     seen: set[str] = set()
-    for rowno, row in enumerate(_read_rows(path)):
+    for rowno, item in enumerate(_read_rows(path)):
         if limit is not None and rowno >= limit:
             break
+        lineno, row = item if isinstance(item, tuple) else (None, item)
+        where = f"row {rowno}" if lineno is None else f"line {lineno}, row {rowno}"
         if not isinstance(row, Mapping):
-            raise ValueError(f"{path}: row {rowno} is a {type(row).__name__}, expected an object")
-        question = _question_text(_get(row, question_key, "question", rowno, path), rowno, path)
-        answer = _ground_truth(_get(row, answer_key, "answer", rowno, path), rowno, path)
-        task_id = str(_get(row, id_key, "id", rowno, path)) if id_key else f"{stem}/{rowno}"
+            raise TaskFileError(f"{path}: {where} is a {type(row).__name__}, expected an object")
+        question = _question_text(_get(row, question_key, "question", where, path), where, path)
+        answer = _ground_truth(_get(row, answer_key, "answer", where, path), where, path)
+        task_id = str(_get(row, id_key, "id", where, path)) if id_key else f"{stem}/{rowno}"
         if task_id in seen:
-            raise ValueError(f"{path}: row {rowno}: duplicate task id {task_id!r} (from id_key={id_key!r})")
+            raise TaskFileError(f"{path}: {where}: duplicate task id {task_id!r} (from id_key={id_key!r})")
         seen.add(task_id)
         meta = {"source": path, "row": rowno}
         tasks.append(Task(task_id=task_id, kind="math", question=question, answer=answer, meta=meta))

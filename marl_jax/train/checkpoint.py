@@ -21,6 +21,7 @@ with the template's key implementation on restore; raw uint32 key data round-tri
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -33,7 +34,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy as _pp
 
-__all__ = ["Checkpointer", "COMMIT_FILE"]
+__all__ = ["Checkpointer", "COMMIT_FILE", "CheckpointWriteError", "ConfigChangedError", "config_changes",
+           "RESUMABLE_KEYS"]
 
 COMMIT_FILE = "commit_success.txt"  # orbax writes it last, before the atomic rename
 _BEST_KEY = "best_metric"
@@ -113,6 +115,59 @@ def _check_json(meta: Mapping[str, Any]) -> dict:
     return dict(meta)
 
 
+# Config keys a resumed run may change freely: how long it runs and what it logs, never what it learns.
+RESUMABLE_KEYS = ("train.steps", "train.val_every", "train.ckpt_every", "train.keep_ckpts", "train.tensorboard",
+                  "train.plots", "grpo.diagnostics_every")
+
+
+class ConfigChangedError(ValueError):
+    """A resumed run's config differs from its checkpoint's in keys that change what is trained."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, say); the checkpoints before it are intact."""
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, Mapping):
+        out = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: list(d) if isinstance(d, tuple) else d}
+
+
+def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any],
+                   ignore: tuple[str, ...] = RESUMABLE_KEYS) -> list[tuple[str, Any, Any]]:
+    """[(dotted key, saved value, current value)] for every key that differs, `ignore` aside.
+
+    Both are plain dicts (config.to_dict()); tuples and lists compare equal, as JSON cannot tell them apart.
+    """
+    a, b = _flat(json.loads(json.dumps(saved))), _flat(json.loads(json.dumps(now)))
+    absent = "<absent>"
+    return [(k, a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
+            if k not in ignore and (k not in a or k not in b or a[k] != b[k])]
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """True for a write that failed on a full disk or quota (tensorstore reports it inside a ValueError)."""
+    import errno
+
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "os_error_code='28'" in text or "Disk quota exceeded" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _leaf_name(path: tuple) -> tuple[str, ...]:
+    """A key path as plain names, so a saved dict and a template namedtuple/tuple line up."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
 class Checkpointer:
     """Saves and restores ``(state, meta)`` pairs under ``<workdir>/checkpoints``.
 
@@ -140,6 +195,7 @@ class Checkpointer:
         self._async = bool(async_save)
         self.read_only = bool(read_only)
         self._mgr: ocp.CheckpointManager | None = None
+        self._pending: int | None = None  # the step of a save still being written
         if os.path.isdir(self.directory):
             self._open()
 
@@ -217,16 +273,40 @@ class Checkpointer:
             raise ValueError(
                 f"checkpoint step {step} is not after the latest saved step {latest} in {self.directory}; "
                 "save increasing steps (a resumed run continues after its restored step)")
-        saved = mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(savable),
-                                                       meta=ocp.args.JsonSave(meta)),
-                         metrics=metrics, force=True)
+        with self._write_errors(step):
+            saved = mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(savable),
+                                                           meta=ocp.args.JsonSave(meta)),
+                             metrics=metrics, force=True)
+        self._pending = step if self._async else None
         if not saved:
             raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
 
     def wait(self) -> None:
-        """Blocks until every pending save is committed to disk."""
+        """Blocks until every pending save is committed to disk.
+
+        Raises CheckpointWriteError when a save failed for lack of space; the steps committed before it
+        stay usable (orbax renames a step into place only once it is fully written).
+        """
         if self._mgr is not None:
-            self._mgr.wait_until_finished()
+            with self._write_errors(self._pending):
+                self._mgr.wait_until_finished()
+            self._pending = None
+
+    @contextlib.contextmanager
+    def _write_errors(self, step: int | None):
+        try:
+            yield
+        except Exception as e:
+            if not _out_of_space(e):
+                raise
+            self._pending = None
+            kept = sorted(s for s in (self._mgr.all_steps() if self._mgr else []) if self._committed(s))
+            have = (f"the last complete checkpoint, step {kept[-1]}, is intact and a rerun of the same command "
+                    "resumes from it" if kept else "no earlier checkpoint exists, so a rerun starts over")
+            raise CheckpointWriteError(
+                28, f"checkpoint{'' if step is None else f' step {step}'} could not be written to "
+                    f"{self.directory}: no space left on device. {have}; free space there (or lower "
+                    f"--config.train.keep_ckpts) and rerun") from e
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -273,18 +353,54 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"cannot restore step {step}: no committed checkpoint for it in {self.directory!r}; "
                 f"available steps: {self.all_steps()}")
+        if template is not None:
+            self._check_shapes(mgr, step, _to_restore_template(template))
         state_arg = (ocp.args.StandardRestore() if template is None
                      else ocp.args.StandardRestore(_to_restore_template(template)))
         restored = mgr.restore(step, args=ocp.args.Composite(state=state_arg, meta=ocp.args.JsonRestore()))
         state = restored.state if template is None else _match_template(restored.state, template)
         return state, dict(restored.meta or {})
 
+    def _check_shapes(self, mgr: ocp.CheckpointManager, step: int, template: Any) -> None:
+        """orbax restores a saved array into a template of another shape without a word: refuse instead."""
+        from etils import epath
+
+        # Read with a handler of our own: a manager opened on an existing directory has none registered yet.
+        saved_md = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+        saved = {_leaf_name(p): tuple(getattr(m, "shape", ()) or ()) for p, m in
+                 jax.tree_util.tree_leaves_with_path(saved_md)}
+        bad = []
+        for p, x in jax.tree_util.tree_leaves_with_path(template):
+            name = _leaf_name(p)
+            if name not in saved:
+                bad.append(f"{jax.tree_util.keystr(p)} is not in the checkpoint")
+            elif tuple(np.shape(x)) != saved[name]:
+                bad.append(f"{jax.tree_util.keystr(p)} has shape {saved[name]} in the checkpoint, {tuple(np.shape(x))} "
+                           "here")
+        if bad:
+            shown = "; ".join(bad[:3]) + (f"; ... ({len(bad)} leaves differ)" if len(bad) > 3 else "")
+            raise ValueError(
+                f"checkpoint step {step} in {self.directory} does not fit this model: {shown}. It was saved by a "
+                "run of another model shape or trainable setup (model.name, trainable.rank/targets/mode, policy); "
+                "resume with the config the run was trained with (its config.json), or use a new --workdir")
+
+    def restore_meta(self, step: int | None = None) -> dict:
+        """The JSON side record of `step` (default: the latest committed step), without reading the arrays."""
+        mgr = self._manager()
+        step = self.latest_step() if step is None else int(step)
+        if mgr is None or step is None or not self._committed(step):
+            raise FileNotFoundError(f"no committed checkpoint {'' if step is None else step} in {self.directory!r}")
+        restored = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored.meta or {})
+
     def close(self) -> None:
         """Waits for pending saves and releases orbax's background resources."""
         if self._mgr is not None:
-            self._mgr.wait_until_finished()
-            self._mgr.close()
-            self._mgr = None
+            try:
+                self.wait()
+            finally:
+                self._mgr.close()
+                self._mgr = None
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -25,7 +25,7 @@ from marl_jax.rl.batch import make_batch, make_groups
 from marl_jax.rl.update import TrainState, UpdateConfig, init_state, make_train_step
 from marl_jax.tasks.data import task_batches
 from marl_jax.train.build import Runtime, build
-from marl_jax.train.checkpoint import Checkpointer
+from marl_jax.train.checkpoint import Checkpointer, ConfigChangedError, RESUMABLE_KEYS, config_changes
 from marl_jax.train.cliff import CliffMonitor, detect_cliff
 from marl_jax.train.metrics import MetricsWriter, read_metrics
 from marl_jax.workflows.rollout import run_episodes
@@ -100,11 +100,13 @@ def validate_policy(rt: Runtime, trainable, key, step: int) -> dict[str, float]:
 class Trainer:
     """Holds the runtime, the jitted step and the run's state; `run()` trains to config.train.steps."""
 
-    def __init__(self, config, workdir: str, *, model=None, tasks=None, progress: bool = True):
+    def __init__(self, config, workdir: str, *, model=None, tasks=None, progress: bool = True,
+                 allow_config_change: bool = False):
         self.c = config
         self.workdir = workdir
         self.progress = progress
         os.makedirs(workdir, exist_ok=True)
+        check_resume_config(workdir, config, allow_config_change)  # before anything is loaded or rewritten
         self.rt = rt = build(config, model=model, tasks=tasks)
         if jax.process_index() == 0:  # what the run was, for sweeps and reports
             with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -247,6 +249,37 @@ class Trainer:
                 out["table"] = summary_table(recs, list(self.rt.roles))
         self.ckpt.close()
         return out
+
+
+def check_resume_config(workdir: str, config, allow_change: bool = False) -> list[tuple[str, object, object]]:
+    """Refuse to resume a checkpoint under another config (mixing two experiments in one run's curves).
+
+    Only RESUMABLE_KEYS (step counts, logging) may differ, unless allow_change; returns the differences.
+    """
+    ckpt = Checkpointer(workdir, read_only=True)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            return []
+        saved = ckpt.restore_meta(step).get("config")
+    finally:
+        ckpt.close()
+    if saved is None and os.path.isfile(os.path.join(workdir, "config.json")):
+        with open(os.path.join(workdir, "config.json")) as f:
+            saved = json.load(f)
+    if saved is None:
+        return []
+    changes = config_changes(saved, _jsonable(config.to_dict()))
+    if changes and not allow_change:
+        shown = "\n".join(f"  {k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in changes)
+        raise ConfigChangedError(
+            f"{workdir} holds checkpoint step {step} of a run with another config; resuming it would mix two "
+            f"experiments. Differing keys:\n{shown}\nRun with the checkpoint's values, use a new --workdir, or pass "
+            f"--allow_config_change to resume anyway (only {', '.join(RESUMABLE_KEYS)} may change freely).")
+    if changes and jax.process_index() == 0:
+        print(f"resuming {workdir} at step {step} with a changed config: "
+              + ", ".join(f"{k}={b!r} (was {a!r})" for k, a, b in changes))
+    return changes
 
 
 class _NoWriter:
