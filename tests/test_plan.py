@@ -1,0 +1,181 @@
+"""The planner's memory model against XLA's own memory analysis of the programs it describes, on CPU.
+
+The update step (rl.update.make_train_step) and the sampler's decode and prefill programs are lowered
+and compiled (never run) for small models whose activations dominate; their argument and temporary
+bytes must be within 15% of marl_jax.plan's numbers. The shapes differ from the ones the
+coefficients were counted on."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from marl_jax import plan as P
+from marl_jax.config import base_config
+from marl_jax.models import decoder
+from marl_jax.policy.lora import PolicySpec, init_trainable
+from marl_jax.rl import optim
+from marl_jax.rl.batch import TrainBatch, make_groups
+from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROLES = ("orchestrator", "worker", "synthesizer")
+CFG = decoder.ModelConfig(family="qwen3", vocab_size=2048, hidden_size=192, intermediate_size=768, num_layers=3,
+                          num_heads=6, num_kv_heads=2, head_dim=32, qk_norm=True, tie_word_embeddings=False)
+T, W, ROWS = 384, 128, 4  # tokens per row, scored positions, rows per role
+
+
+def _config(rank=16, remat="full", mb=2, policy="isolated", mode="lora"):
+    c = base_config("orch_workers", ROLES)
+    c.model.dtype = "float32"  # XLA:CPU computes bfloat16 matmuls in float32, so its bf16 buffers say little
+    c.trainable.update(mode=mode, rank=rank)
+    c.grpo.update(remat=remat, micro_batch=mb, copy_alignment=False)
+    c.policy = policy
+    return c
+
+
+def _workload(c):
+    slots = 3 if c.policy == "isolated" else 1
+    r2s = {r: (i if slots > 1 else 0) for i, r in enumerate(ROLES)}
+    stages = tuple(P.Stage(r, ROWS, ROWS, T - W, W) for r in ROLES)
+    w = P.Workload(stages, ROLES, r2s, slots, len(ROLES), 256)
+    assert (w.seq_len, w.window) == (T, W)
+    return w
+
+
+def _update_analysis(c, w):
+    r2s = w.role_slot
+    spec = PolicySpec(mode=c.trainable.mode, rank=c.trainable.rank, alpha=32.0, num_slots=w.num_slots)
+    groups = make_groups(ROLES, r2s, None)
+    tx = optim.per_slot(optim.make_optimizer(lr=1e-5, grad_clip=1.0))
+    base = jax.eval_shape(lambda: decoder.init_params(CFG, jax.random.PRNGKey(0)))
+    state = jax.eval_shape(lambda: init_state(init_trainable(
+        spec, CFG, decoder.init_params(CFG, jax.random.PRNGKey(0)), jax.random.PRNGKey(1)), tx))
+    S = w.num_slots
+    R = max(w.slot_rows())
+    sd = jax.ShapeDtypeStruct
+    batch = TrainBatch(tokens=sd((S, R, T), jnp.int32), valid=sd((S, R, T), bool), win_start=sd((S, R), jnp.int32),
+                       targets=sd((S, R, W), jnp.int32), loss_mask=sd((S, R, W), jnp.float32),
+                       old_logp=sd((S, R, W), jnp.float32), advantages=sd((S, R), jnp.float32),
+                       row_weight=sd((S, R), jnp.float32), group=sd((S, R), jnp.int32),
+                       kl_coef=sd((S, R), jnp.float32), den=sd((S,), jnp.float32))
+    ucfg = UpdateConfig(micro_batch=c.grpo.micro_batch, remat=c.grpo.remat, dtype=jnp.float32)
+    step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
+                           group_role=[ROLES.index(r) for r in groups.role], num_roles=len(ROLES),
+                           role_slot=[r2s[r] for r in ROLES])
+    return step.lower(state, base, batch).compile().memory_analysis()
+
+
+def _close(ours, xla, tol=0.15):
+    assert abs(ours - xla) <= tol * xla, f"plan {ours / 1e6:.2f} MB vs XLA {xla / 1e6:.2f} MB ({ours / xla - 1:+.1%})"
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_update_temporaries_match_xla(remat):
+    """Activations of one work item plus the gradient buffers against XLA's temp bytes, per remat mode."""
+    c = _config(remat=remat)
+    w = _workload(c)
+    knobs = P.Knobs(P.Mesh(), c.grpo.micro_batch, remat, 256)
+    mem = P.memory(CFG, c, w, knobs)
+    ma = _update_analysis(c, w)
+    _close(mem["activations"] + mem["gradients"], ma.temp_size_in_bytes)
+
+
+def test_update_arguments_match_xla():
+    """Base weights, trainable weights, optimizer state and the batch against XLA's argument bytes."""
+    for policy in ("shared", "isolated"):
+        c = _config(policy=policy)
+        w = _workload(c)
+        mem = P.memory(CFG, c, w, P.Knobs(P.Mesh(), 2, "full", 256))
+        ma = _update_analysis(c, w)
+        _close(mem["base_weights"] + mem["trainable"] + mem["optimizer"] + mem["update_batch"],
+               ma.argument_size_in_bytes, tol=0.02)
+
+
+def test_remat_ordering_and_micro_batch_scaling():
+    c = _config()
+    w = _workload(c)
+    act = {r: P.activation_bytes(CFG, c, w, P.Knobs(P.Mesh(), 4, r, 256)) for r in P.REMATS}
+    assert act["none"] > act["dots"] > act["full"]
+    one, four = (P.activation_bytes(CFG, c, w, P.Knobs(P.Mesh(), mb, "none", 256)) for mb in (1, 4))
+    assert 3.9 < four / one < 4.1
+    # Rows split over data * fsdp: micro-batch 4 on 4 data devices is micro-batch 1 on one.
+    assert P.activation_bytes(CFG, c, w, P.Knobs(P.Mesh(data=4), 4, "none", 256)) == one
+
+
+def test_kv_cache_and_prefill_match_the_sampler():
+    """The decode program's state argument is the KV cache the plan counts; the prefill's temporaries
+    hold the distinct prompts' cache and one layer's attention over the prompt."""
+    from marl_jax.generate.sampler import Sampler, SamplingParams
+
+    c = _config()
+    c.model.dtype = "float32"
+    B, prompt, new = 16, 240, 240  # buckets 256 + 256
+    st = P.Stage("worker", B, B, prompt, new)
+    w = P.Workload((st,), ROLES, {r: 0 for r in ROLES}, 1, 3, B)
+    kv, pre, b = P.kv_bytes(CFG, c, w, P.Mesh(), B)
+    assert b == B
+    sampler = Sampler(CFG, dtype=jnp.float32, max_batch=B)
+    sp = SamplingParams(max_new_tokens=256, temperature=1.0)
+    params = jax.eval_shape(lambda: decoder.init_params(CFG, jax.random.PRNGKey(0)))
+    cache = jax.eval_shape(lambda: decoder.init_cache(CFG, B, 512, jnp.float32))
+    sd = jax.ShapeDtypeStruct
+    from marl_jax.generate.sampler import DecodeState
+    state = DecodeState(cache, sd((B,), jnp.int32), sd((B,), jnp.int32), sd((), jnp.int32), sd((B,), bool),
+                        sd((B, 256), jnp.int32), sd((B, 256), jnp.float32), sd((B,), jnp.int32), sd((B,), jnp.int32))
+    key = jax.random.PRNGKey(0)
+    decode = sampler._decode_fn(sp, 256, 512).lower(params, None, jnp.int32(0), state, key, jnp.int32(0)).compile()
+    params_bytes = sum(x.size * 4 for x in jax.tree_util.tree_leaves(params))
+    # kv also counts the decode step's float32 logits (and their softmax), which the program holds as temporaries.
+    ma = decode.memory_analysis()
+    _close(kv, ma.argument_size_in_bytes - params_bytes + ma.temp_size_in_bytes)
+    prefill = sampler._prefill_fn(sp, 512, 256).lower(
+        params, None, jnp.int32(0), sd((0,), jnp.int32), sd((B, 256), jnp.int32), sd((B, 256), bool),
+        sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), key).compile().memory_analysis()
+    _close(pre, prefill.temp_size_in_bytes)
+
+
+def test_chips_and_meshes():
+    chip, n = P.parse_chip("v4-16")
+    assert chip.name == "TPU v4" and n == 8
+    assert P.parse_chip("v5e-8")[1] == 8 and P.parse_chip("v5p-8")[1] == 4 and P.parse_chip("H200x8")[1] == 8
+    with pytest.raises(ValueError, match="H100-80GB"):
+        P.parse_chip("a100")
+    assert {str(m) for m in P.meshes(4)} == {"4x1x1", "2x2x1", "1x4x1", "2x1x2", "1x2x2", "1x1x4"}
+    # Splitting weights over fsdp x model divides every matrix the axes divide; norms stay whole.
+    full, split = P.sharded_param_count(CFG, P.Mesh()), P.sharded_param_count(CFG, P.Mesh(1, 2, 2))
+    norms = CFG.num_layers * (2 * CFG.hidden_size + 2 * CFG.head_dim) + CFG.hidden_size
+    assert full == CFG.num_params() + CFG.num_layers * 2 * CFG.head_dim  # num_params omits the qk norms
+    assert split == pytest.approx((full - norms) / 4 + norms)
+
+
+def test_presets_have_the_public_shapes():
+    # Parameter counts of the public checkpoints (model cards: 0.6B, 1.7B, 4.0B, tied embeddings for the first two).
+    counts = {k: P.PRESET_MODELS[k].num_params() / 1e9 for k in ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-4B")}
+    assert counts["Qwen/Qwen3-0.6B"] == pytest.approx(0.596, abs=0.01)
+    assert counts["Qwen/Qwen3-1.7B"] == pytest.approx(1.72, abs=0.02)
+    assert counts["Qwen/Qwen3-4B"] == pytest.approx(4.41, abs=0.03)
+
+
+def test_cli_prints_a_plan_and_a_search(tmp_path):
+    """The command line takes launch/run.py's config overrides; a small run fits one H200, the
+    reference-length voting preset does not fit a v5e-8 as configured."""
+    run = lambda *a: subprocess.run([sys.executable, "-m", "marl_jax.plan", *a], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=120)
+    out = run("--config=configs/voting.py:qwen3-0.6b,math", "--chip=H200", "--json",
+              "--config.rollout.max_new_tokens.generator=256", "--config.rollout.max_new_tokens.aggregator=256",
+              "--config.num_tasks=8")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    assert p["fits"] and p["devices"] == 1 and p["stages"][0]["rows"] == 8 * 8 * 3
+    assert p["time"]["decode_s"] > 0 and p["time"]["update_s"] > 0
+    out = run("--config=configs/voting.py:qwen3-4b,math", "--chip=v5e-8")
+    assert out.returncode == 0, out.stderr
+    assert "does NOT fit" in out.stdout and "roofline" in out.stdout
+    out = run("--config=configs/voting.py:qwen3-4b,math", "--chip=v9")
+    assert out.returncode != 0 and "unknown --chip" in out.stderr
