@@ -233,9 +233,13 @@ class Tokenizer:
         root = pathlib.Path(path)
         tj = root / "tokenizer.json"
         if not tj.is_file():
+            there = sorted(p.name for p in root.iterdir())[:12] if root.is_dir() else []
+            spm = " (a SentencePiece tokenizer.model is there, which is not read: convert it as below)" \
+                if (root / "tokenizer.model").is_file() else ""
             raise FileNotFoundError(
-                f"{tj} not found. Save a fast tokenizer there first, e.g. with transformers: "
-                "AutoTokenizer.from_pretrained(src).save_pretrained(dir)."
+                f"model folder {root} has no tokenizer files: tokenizer.json not found{spm}; it holds {there}. "
+                "Copy tokenizer.json and tokenizer_config.json from the model's original folder next to the "
+                f"weights, or write them with transformers: AutoTokenizer.from_pretrained(src).save_pretrained('{root}')."
             )
         backend = _Backend.from_file(str(tj))
 

@@ -30,6 +30,11 @@ class PolicySampler:
     stop_ids: tuple[int, ...] = ()
     calls: list = dataclasses.field(default_factory=list)
 
+    @property
+    def max_context(self) -> int:
+        """The model's positions: a prompt plus its completion must fit (checked by run_episodes)."""
+        return int(self.sampler.cfg.max_position_embeddings)
+
     def __call__(self, slot: int, prompts: Sequence[Sequence[int]], max_new_tokens: int, stage: str) -> list[Completion]:
         sp = SamplingParams(max_new_tokens=int(max_new_tokens), temperature=self.temperature, top_p=self.top_p,
                             top_k=self.top_k, stop_ids=tuple(self.stop_ids))

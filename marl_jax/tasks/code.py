@@ -620,7 +620,8 @@ def load_code_jsonl(path: str | os.PathLike, question_key: str = "problem",
             try:
                 spec = normalize_tests(row[tests_key], fn_name=fn_name)
             except ValueError as exc:
-                raise ValueError(f"{where}: key {tests_key!r}: {exc}") from None
+                raise TaskFileError(f"{where}: key {tests_key!r}: {exc} (an empty answer: nothing to grade "
+                                    f"against); fix or delete line {row_no}") from None
             if count_tests(spec) == 0:
                 raise TaskFileError(f"{where}: key {tests_key!r}: no test cases (an empty answer: nothing to grade "
                                     f"against); add tests or delete line {row_no}")

@@ -154,6 +154,21 @@ def compute_metrics(episodes: Sequence[Episode], roles: Sequence[str]) -> dict[s
     return m
 
 
+def check_context(limit: int | None, stage, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """A prompt plus its completion must fit the model's positions (its max_position_embeddings);
+    past them the sampler would run on positions the model never saw."""
+    if not limit or not prompts:
+        return
+    longest = max(len(p) for p in prompts)
+    if longest + int(max_new_tokens) > limit:
+        raise ValueError(
+            f"role {stage.role!r} (stage {stage.name!r}): a prompt of {longest} tokens plus "
+            f"max_new_tokens={max_new_tokens} exceeds the model's context of {limit} tokens "
+            f"(max_position_embeddings). Lower --config.rollout.max_new_tokens.{stage.role}, shorten the prompts "
+            "(--config.workflow_options.prompt_dir=compact, shorter task questions, fewer workflow iterations) "
+            "or use a model with a longer context")
+
+
 def run_episodes(
     workflow: Workflow,
     tasks: Sequence[Task],
@@ -211,6 +226,7 @@ def run_episodes(
         if not batch:
             continue
         slot = slots[stage.role]
+        check_context(getattr(sample, "max_context", None), stage, [b[2] for b in batch], mnt[stage.role])
         t0 = time.perf_counter()
         comps = list(sample(slot, [b[2] for b in batch], mnt[stage.role], stage.name))
         dt = time.perf_counter() - t0
