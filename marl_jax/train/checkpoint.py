@@ -26,12 +26,12 @@ import json
 import logging
 import math
 import os
-import shutil
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy as _pp
 
 __all__ = ["Checkpointer", "COMMIT_FILE", "CheckpointWriteError", "ConfigChangedError", "config_changes",
@@ -39,6 +39,15 @@ __all__ = ["Checkpointer", "COMMIT_FILE", "CheckpointWriteError", "ConfigChanged
 
 COMMIT_FILE = "commit_success.txt"  # orbax writes it last, before the atomic rename
 _BEST_KEY = "best_metric"
+
+
+def _is_uri(path) -> bool:
+    """gs://, s3://, ... paths (etils.epath): not local, never made absolute."""
+    return "://" in str(path)
+
+
+def _isdir(path) -> bool:
+    return epath.Path(path).is_dir()
 
 
 class _NoMetricWarning(logging.Filter):
@@ -188,7 +197,8 @@ class Checkpointer:
                  async_save: bool = True, read_only: bool = False):
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.workdir = os.path.abspath(os.fspath(workdir))  # orbax needs absolute paths
+        # orbax needs absolute paths; gs:// (and other epath URIs) stay as they are
+        self.workdir = str(workdir) if _is_uri(workdir) else os.path.abspath(os.fspath(workdir))
         self.directory = os.path.join(self.workdir, "checkpoints")
         self.keep = int(keep)
         self.keep_best = bool(keep_best)
@@ -196,7 +206,7 @@ class Checkpointer:
         self.read_only = bool(read_only)
         self._mgr: ocp.CheckpointManager | None = None
         self._pending: int | None = None  # the step of a save still being written
-        if os.path.isdir(self.directory):
+        if _isdir(self.directory):
             self._open()
 
     # -- manager ---------------------------------------------------------------------------------
@@ -220,20 +230,22 @@ class Checkpointer:
         return self._mgr
 
     def _committed(self, step: int) -> bool:
-        return os.path.isfile(os.path.join(self.directory, str(step), COMMIT_FILE))
+        return epath.Path(self.directory, str(step), COMMIT_FILE).is_file()
 
     def _drop_uncommitted(self) -> None:
         """Removes step directories without a commit marker (left by a save killed mid-write)."""
-        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+        if jax.process_index() != 0 or not _isdir(self.directory):
             return
-        for name in os.listdir(self.directory):
-            path = os.path.join(self.directory, name)
-            if name.isdigit() and os.path.isdir(path) and not self._committed(int(name)):
-                shutil.rmtree(path, ignore_errors=True)
+        for path in epath.Path(self.directory).iterdir():
+            if path.name.isdigit() and path.is_dir() and not self._committed(int(path.name)):
+                try:
+                    path.rmtree()
+                except OSError:
+                    pass
 
     def _manager(self) -> ocp.CheckpointManager | None:
         """The orbax manager if the checkpoints directory exists (another process may have made it)."""
-        if self._mgr is None and os.path.isdir(self.directory):
+        if self._mgr is None and _isdir(self.directory):
             self._open()
         return self._mgr
 
@@ -337,9 +349,9 @@ class Checkpointer:
         dtypes, shapes and shardings to restore into; typed PRNG keys in it come back as typed keys.
         Without a template the saved structure and dtypes are used.
         """
-        if not os.path.isdir(self.workdir):
+        if not _isdir(self.workdir):
             raise FileNotFoundError(f"cannot restore: workdir {self.workdir!r} does not exist")
-        if not os.path.isdir(self.directory):
+        if not _isdir(self.directory):
             raise FileNotFoundError(
                 f"cannot restore: no checkpoints directory in {self.workdir!r} (nothing was saved there)")
         mgr = self._open()
