@@ -336,7 +336,7 @@ def activation_bytes(cfg: ModelConfig, config, w: Workload, knobs: Knobs, T: int
         # Each layer's input (and its cotangent), plus one layer recomputed with its attention cotangent.
         saved = L * 2 * tok * D * e + layer_vectors + 1.5 * layer_attn
     # The scored window's logits in float32, their softmax and its cotangent.
-    logits = 3 * b * W * V * 4
+    logits = 3 * b * W * V * 4 / _div(V, m.model)  # the vocabulary is split over "model"
     return saved + logits
 
 
