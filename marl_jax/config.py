@@ -63,7 +63,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         cliff_drop=0.15, cliff_patience=3, stop_on_cliff=False, restore_best_on_cliff=True,
         tensorboard=True, plots=True,
     ))
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+    # Devices: data x fsdp x model (data=-1: all the rest). rules: a preset of
+    # marl_jax.models.sharding.RULES, optionally with overrides ("fsdp_tp;vocab=none").
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1, rules="fsdp_tp"))
     return c
 
 
@@ -180,6 +182,16 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for k, v in c.rollout.max_new_tokens.items():
         if v < 1:
             errors.append(f"--config.rollout.max_new_tokens.{k} must be >= 1, got {v}")
+    for key in ("fsdp", "model"):
+        if c.mesh[key] < 1:
+            errors.append(f"--config.mesh.{key} must be >= 1, got {c.mesh[key]}")
+    if c.mesh.data < 1 and c.mesh.data != -1:
+        errors.append(f"--config.mesh.data must be >= 1 or -1 (every device left), got {c.mesh.data}")
+    try:
+        from marl_jax.models.sharding import parse_rules
+        parse_rules(c.mesh.rules)
+    except ValueError as e:
+        errors.append(f"--config.mesh.rules: {e}")
     if errors:
         raise ValueError("invalid config:\n  " + "\n  ".join(errors))
     return c

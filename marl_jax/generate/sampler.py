@@ -25,6 +25,7 @@ import numpy as np
 
 from marl_jax.models import decoder
 from marl_jax.models.decoder import KVCache, ModelConfig
+from marl_jax.models import sharding
 from marl_jax.models.sharding import to_host
 
 
@@ -160,7 +161,8 @@ class Sampler:
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
-                 spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True):
+                 spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
+                 rules=None):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
@@ -170,9 +172,10 @@ class Sampler:
         self.max_batch = max_batch
         self.pad_id = pad_id
         self.mesh = mesh
+        self.rules = rules  # logical axis rules (marl_jax.models.sharding); None: the default table
         self.compaction = compaction
         self.share_prefix = share_prefix
-        self.data_size = 1 if mesh is None else mesh.shape.get("data", 1)
+        self.data_size = sharding.row_count(mesh)  # rows are split over data x fsdp
         self.min_batch = max(min_batch, self.data_size)
         self.stats: dict[str, Any] = {}
         self._fns: dict[Any, Any] = {}
@@ -187,8 +190,7 @@ class Sampler:
     def _constrain(self, state):
         if self.mesh is None:
             return state
-        from marl_jax.models import sharding
-        return sharding.constrain_state(state, self.mesh, self.cfg)
+        return sharding.constrain_state(state, self.mesh, rules=self.rules)
 
     def _prefill_fn(self, sp: SamplingParams, cache_len: int, out_len: int):
         key_ = ("prefill", sp, cache_len, out_len)
@@ -207,7 +209,7 @@ class Sampler:
             C = prefix.shape[0]
             params, lo = self._select(params, trainable, slot)
             run = functools.partial(decoder.forward_cached, params, cfg, lora=lo, lora_scale=self.lora_scale,
-                                    dtype=self.dtype, last_only=True)
+                                    dtype=self.dtype, last_only=True, mesh=self.mesh, rules=self.rules)
             cache = decoder.init_cache(cfg, Bu, cache_len, self.dtype)
             if C:
                 _, one = run(prefix[None], jnp.arange(C)[None], decoder.init_cache(cfg, 1, cache_len, self.dtype),
@@ -250,7 +252,8 @@ class Sampler:
             def body(s: DecodeState):
                 logits, cache = decoder.forward_cached(
                     params, cfg, s.token[:, None], s.pos[:, None], s.cache, prompt_len + s.step - 1,
-                    s.active[:, None], lora=lo, lora_scale=self.lora_scale, dtype=self.dtype, window=window)
+                    s.active[:, None], lora=lo, lora_scale=self.lora_scale, dtype=self.dtype, window=window,
+                    mesh=self.mesh, rules=self.rules)
                 tok, lp = sample_tokens(logits[:, 0], _row_keys(key, s.row_id, s.step), sp)
                 tok = jnp.where(s.active, tok, self.pad_id)
                 lp = jnp.where(s.active, lp, 0.0)

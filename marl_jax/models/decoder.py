@@ -175,7 +175,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 # Logical axes of each layer parameter, without the leading "layers" axis nn.scan adds. q/k/v/o are
 # stored with heads and head_dim merged ([D, H*hd]); splitting that axis over "model" splits whole
 # heads whenever the head count divides.
-_LAYER_AXES = {
+LAYER_AXES = {
     "attn_norm": ("norm",), "mlp_norm": ("norm",),
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
     "wo": ("heads", "embed"),
@@ -183,7 +183,7 @@ _LAYER_AXES = {
     "q_norm": ("head_dim",), "k_norm": ("head_dim",),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
 }
-_TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
+TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
 
 # Activation names differ from parameter names where a mesh axis may split one but not the other
 # (MaxText's split): the "embed" dimension of weights goes over "fsdp", a hidden vector's does not.
@@ -293,7 +293,7 @@ class _Sharded(nn.Module):
         if self.mesh is None:
             return x
         from marl_jax.models import sharding
-        return sharding.constrain(x, names, self.mesh, self.rules)
+        return sharding.constrain(x, names, self.mesh, self.rules or None)
 
 
 class Block(_Sharded):
@@ -308,7 +308,7 @@ class Block(_Sharded):
     window: int = 0  # cached: cache slots attended ([0, window))
 
     def _param(self, name, shape, init=_normal):
-        return self.param(name, nn.with_logical_partitioning(init, _LAYER_AXES[name]), shape, self.param_dtype)
+        return self.param(name, nn.with_logical_partitioning(init, LAYER_AXES[name]), shape, self.param_dtype)
 
     def _linear(self, x, name, w):
         y = x @ w.astype(x.dtype)
@@ -388,7 +388,7 @@ class Decoder(_Sharded):
     remat: str = "none"
 
     def _top(self, name, shape, init=_normal):
-        return self.param(name, nn.with_logical_partitioning(init, _TOP_AXES[name]), shape, self.param_dtype)
+        return self.param(name, nn.with_logical_partitioning(init, TOP_AXES[name]), shape, self.param_dtype)
 
     def _layers(self, carry, positions, mask, write_index=None, window: int = 0):
         cached = window > 0

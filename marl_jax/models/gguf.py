@@ -271,11 +271,12 @@ def _config_from_header(meta: Mapping[str, Any], tensors: list[GGUFTensorInfo]) 
     return config
 
 
-def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+def read_gguf(path: str | os.PathLike, lazy: bool = False) -> tuple[dict, Mapping[str, np.ndarray]]:
     """Read a Llama/Qwen2/Qwen3 GGUF file as (HF config dict, HF float32 state dict).
 
     Tensors keep HF names and layouts (`[out, in]` for projections); quantized types are dequantized with
-    `gguf.quants.dequantize`. `lm_head.weight` is present only when the embeddings are not tied.
+    `gguf.quants.dequantize`. `lm_head.weight` is present only when the embeddings are not tied. With
+    `lazy`, the state dict dequantizes each tensor only when it is looked up.
     """
     meta, tensors = read_gguf_header(path)
     config = _config_from_header(meta, tensors)
@@ -286,19 +287,20 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
             f"{' ...' if len(unknown) > 8 else ''}; this model kind is not supported."
         )
     data = np.memmap(os.fspath(path), dtype=np.uint8, mode="r")
-    state: dict[str, np.ndarray] = {}
-    try:
-        for info in tensors:
-            if info.offset + info.nbytes > data.shape[0]:
-                raise ValueError(f"GGUF tensor {info.name!r} runs past the end of the file (truncated download?).")
-            hf = gguf_to_hf_name(info.name)
-            w = _dequantize(info, data)
-            if config["model_type"] == "llama" and (n := _rotary_heads(hf, config)) is not None:
-                w = _unpermute(w, n)
-            state[hf] = w
-    finally:
-        del data
-    return config, state
+    for info in tensors:
+        if info.offset + info.nbytes > data.shape[0]:
+            raise ValueError(f"GGUF tensor {info.name!r} runs past the end of the file (truncated download?).")
+
+    def load(info):
+        w = _dequantize(info, data)
+        if config["model_type"] == "llama" and (n := _rotary_heads(gguf_to_hf_name(info.name), config)) is not None:
+            w = _unpermute(w, n)
+        return w
+
+    if lazy:
+        from marl_jax.models.hf import LazyTensors
+        return config, LazyTensors({gguf_to_hf_name(t.name): (lambda t=t: load(t)) for t in tensors})
+    return config, {gguf_to_hf_name(t.name): load(t) for t in tensors}
 
 
 # ---------------------------------------------------------------------------------------------- write

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -38,36 +38,67 @@ def _layer_keys(cfg: ModelConfig) -> list[str]:
     return keys
 
 
-def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray], dtype=np.float32) -> dict:
-    """HF-named tensors ([out, in] matrices) -> stacked marl_jax params (numpy, `dtype`)."""
-    missing = []
-
-    def get(name):
-        if name not in sd:
-            missing.append(name)
-            return None
-        return np.asarray(sd[name])
-
-    layers = {}
-    for key in _layer_keys(cfg):
-        hf_name, transpose = _LAYER_MAP[key]
-        per_layer = [get(f"model.layers.{i}.{hf_name}") for i in range(cfg.num_layers)]
-        if any(t is None for t in per_layer):
-            continue
-        stacked = np.stack([t.T if transpose else t for t in per_layer])
-        layers[key] = stacked.astype(dtype)
-    params = {"embed": get("model.embed_tokens.weight"), "layers": layers, "final_norm": get("model.norm.weight")}
+def _leaf_builders(cfg: ModelConfig, sd: Mapping[str, np.ndarray], dtype) -> list[tuple[tuple[str, ...], Any]]:
+    """(param path, builder) for every marl_jax leaf; a builder reads its HF tensors (one stacked leaf at a
+    time: `sd` may be lazy) and returns the numpy leaf in `dtype`. Missing tensors are reported up front."""
+    wanted = {("embed",): ("model.embed_tokens.weight", False), ("final_norm",): ("model.norm.weight", False)}
     if not cfg.tie_word_embeddings:
-        head = get("lm_head.weight")
-        params["lm_head"] = None if head is None else head.T
+        wanted[("lm_head",)] = ("lm_head.weight", True)
+    missing = [n for n, _ in wanted.values() if n not in sd]
+    for key in _layer_keys(cfg):
+        missing += [f"model.layers.{i}.{_LAYER_MAP[key][0]}" for i in range(cfg.num_layers)
+                    if f"model.layers.{i}.{_LAYER_MAP[key][0]}" not in sd]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the {cfg.family} config needs: {shown}")
-    params["embed"] = params["embed"].astype(dtype)
-    params["final_norm"] = params["final_norm"].astype(dtype)
-    if "lm_head" in params:
-        params["lm_head"] = np.ascontiguousarray(params["lm_head"]).astype(dtype)
-    return params
+
+    def one(name, transpose):
+        t = np.asarray(sd[name])
+        return np.ascontiguousarray(t.T if transpose else t, dtype=dtype)  # one copy, not two
+
+    def stacked(hf_name, transpose):
+        out = None  # filled layer by layer: one layer's temporaries at a time, not a list of all of them
+        for i in range(cfg.num_layers):
+            t = one(f"model.layers.{i}.{hf_name}", transpose)
+            if out is None:
+                out = np.empty((cfg.num_layers,) + t.shape, t.dtype)
+            out[i] = t
+        return out
+
+    out = [(path, (lambda n=n, t=t: one(n, t))) for path, (n, t) in wanted.items()]
+    out += [(("layers", key), (lambda k=key: stacked(*_LAYER_MAP[k]))) for key in _layer_keys(cfg)]
+    return out
+
+
+def _nest(items) -> dict:
+    out: dict = {}
+    for path, value in items:
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = value
+    return out
+
+
+def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray], dtype=np.float32) -> dict:
+    """HF-named tensors ([out, in] matrices) -> stacked marl_jax params (numpy, `dtype`)."""
+    return _nest((path, build()) for path, build in _leaf_builders(cfg, sd, dtype))
+
+
+def place_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray], mesh, rules=None, dtype=np.float32) -> dict:
+    """Like params_from_state_dict, but each leaf goes straight into its sharding on `mesh` (from the
+    logical axis rules) as it is read: the host holds one leaf at a time, each device only its shard."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from marl_jax.models import sharding
+
+    def place(path, build):
+        arr = build()
+        sh = NamedSharding(mesh, sharding.param_spec(path, arr.shape, mesh, rules))
+        return jax.make_array_from_callback(arr.shape, sh, lambda idx: arr[idx])
+
+    return _nest((path, place(path, build)) for path, build in _leaf_builders(cfg, sd, dtype))
 
 
 def state_dict_from_params(cfg: ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
@@ -85,8 +116,9 @@ def state_dict_from_params(cfg: ModelConfig, params: Mapping) -> dict[str, np.nd
     return sd
 
 
-def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a folder's model.safetensors or sharded model.safetensors.index.json."""
+def read_state_dict(path: str | os.PathLike, lazy: bool = False) -> Mapping[str, np.ndarray]:
+    """All tensors of a folder's model.safetensors or sharded model.safetensors.index.json; with `lazy`,
+    a mapping that reads (memory-mapped) and converts each tensor only when it is looked up."""
     path = pathlib.Path(path)
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
@@ -103,16 +135,33 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     for f in files:
         if not f.exists():
             raise FileNotFoundError(f"shard {f} listed in the index is missing")
-        sd.update(_read_safetensors(f))
-    return sd
+        sd.update(_read_safetensors(f, lazy))
+    return LazyTensors(sd) if lazy else sd
+
+
+class LazyTensors(Mapping):
+    """A state dict whose values are computed on lookup (name -> zero-argument loader)."""
+
+    def __init__(self, loaders: Mapping[str, Any]):
+        self._loaders = dict(loaders)
+
+    def __getitem__(self, name):
+        return self._loaders[name]()
+
+    def __iter__(self):
+        return iter(self._loaders)
+
+    def __len__(self):
+        return len(self._loaders)
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32,
               "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def _read_safetensors(f: pathlib.Path) -> dict[str, np.ndarray]:
-    """Memory-mapped safetensors reader that also handles bfloat16 (numpy has no bf16)."""
+def _read_safetensors(f: pathlib.Path, lazy: bool = False) -> dict[str, Any]:
+    """Memory-mapped safetensors reader that also handles bfloat16 (numpy has no bf16). With `lazy`, the
+    values are loaders that convert their tensor when called."""
     import ml_dtypes
 
     buf = np.memmap(f, dtype=np.uint8, mode="r")
@@ -126,17 +175,24 @@ def _read_safetensors(f: pathlib.Path) -> dict[str, np.ndarray]:
         if dt is None:
             raise ValueError(f"{f}: tensor {name} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
-        arr = np.frombuffer(buf[8 + n + start: 8 + n + end], dtype=dt).reshape(info["shape"])
-        out[name] = arr.astype(np.float32) if arr.dtype.kind == "f" or dt is ml_dtypes.bfloat16 else np.array(arr)
+
+        def load(dt=dt, start=start, end=end, shape=info["shape"]):
+            arr = np.frombuffer(buf[8 + n + start: 8 + n + end], dtype=dt).reshape(shape)
+            return arr.astype(np.float32) if arr.dtype.kind == "f" or dt is ml_dtypes.bfloat16 else np.array(arr)
+
+        out[name] = load if lazy else load()
     return out
 
 
-def load_hf_dir(path: str | os.PathLike, dtype=np.float32) -> tuple[ModelConfig, dict]:
+def load_hf_dir(path: str | os.PathLike, dtype=np.float32, mesh=None, rules=None) -> tuple[ModelConfig, dict]:
+    """(config, params) of a folder: numpy params, or with a mesh sharded jax arrays placed leaf by leaf."""
     path = pathlib.Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file} not found: a Hugging Face model folder needs config.json")
     cfg = config_from_hf(json.loads(cfg_file.read_text()))
+    if mesh is not None:
+        return cfg, place_state_dict(cfg, read_state_dict(path, lazy=True), mesh, rules, dtype)
     return cfg, params_from_state_dict(cfg, read_state_dict(path), dtype)
 
 

@@ -14,7 +14,7 @@ from marl_jax.models.tokenizer import Tokenizer
 
 class LoadedModel(NamedTuple):
     cfg: ModelConfig
-    params: Any  # numpy pytree (place it with jax.device_put or sharding.shard_params)
+    params: Any  # numpy pytree, or sharded jax arrays when loaded with a mesh
     tokenizer: Tokenizer
     source: str
 
@@ -33,16 +33,19 @@ def resolve(spec: str) -> tuple[str, pathlib.Path]:
         "a .gguf file or a Hugging Face checkpoint folder (config.json + safetensors)")
 
 
-def load_model(spec: str, dtype=np.float32) -> LoadedModel:
+def load_model(spec: str, dtype=np.float32, mesh=None, rules=None) -> LoadedModel:
+    """With a mesh, params come back as jax arrays already in their shardings (marl_jax.models.sharding),
+    read and placed one leaf at a time; without, as a numpy pytree."""
     kind, path = resolve(spec)
     if kind == "gguf":
         from marl_jax.models.gguf import read_gguf
 
-        hf_cfg, sd = read_gguf(path)
+        hf_cfg, sd = read_gguf(path, lazy=mesh is not None)
         cfg = config_from_hf(hf_cfg)
-        params = hf.params_from_state_dict(cfg, sd, dtype)
+        params = (hf.params_from_state_dict(cfg, sd, dtype) if mesh is None
+                  else hf.place_state_dict(cfg, sd, mesh, rules, dtype))
         tok = Tokenizer.from_gguf(path)
     else:
-        cfg, params = hf.load_hf_dir(path, dtype)
-        tok = Tokenizer.from_hf_dir(path)
+        tok = Tokenizer.from_hf_dir(path)  # first: a folder without tokenizer files fails before the weights load
+        cfg, params = hf.load_hf_dir(path, dtype, mesh=mesh, rules=rules)
     return LoadedModel(cfg, params, tok, str(path))

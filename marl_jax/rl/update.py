@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from marl_jax.models import decoder
+from marl_jax.models import decoder, sharding
 from marl_jax.models.decoder import ModelConfig
 from marl_jax.policy.lora import PolicySpec, unstacked
 from marl_jax.rl import loss as L
@@ -71,7 +71,7 @@ def _tree_dot(a, b):
                for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
-def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows):
+def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows, mesh=None, rules=None):
     """Per-row loss numerators for one slot's micro-batch; aux = token log-probs (+ ref, entropy)."""
     params, lora = unstacked(spec, base, one_slot)
     W = rows["targets"].shape[-1]
@@ -79,9 +79,9 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
 
     def window_logits(p, lo):
         h = decoder.forward(p, cfg, rows["tokens"], rows["valid"], lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype,
-                            return_hidden=True, remat=ucfg.remat)
+                            return_hidden=True, remat=ucfg.remat, mesh=mesh, rules=rules)
         h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
-        return decoder.unembed(p, cfg, h)
+        return decoder.unembed(p, cfg, h, mesh=mesh, rules=rules)
 
     logits = window_logits(params, lora)
     logp = L.token_logprobs(logits, rows["targets"])
@@ -115,11 +115,16 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
 
 
 def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: optax.GradientTransformation,
-                    *, num_groups: int, group_slot, group_role, num_roles: int, role_slot):
+                    *, num_groups: int, group_slot, group_role, num_roles: int, role_slot, mesh=None, rules=None):
     """Build the jitted step. Group/role tables are static per workflow (host tuples).
 
     group_slot[g], group_role[g]: slot and role index of diagnostic group g; role_slot[k]: slot of role k.
     Returns step(state, base, batch) -> (state, metrics).
+
+    With a mesh, the program's input and output shardings come from the logical axis rules
+    (marl_jax.models.sharding): the base and the slot-stacked trainable weights, their optimizer
+    state and the gradient accumulators by parameter name (FSDP over "fsdp", tensor parallelism over
+    "model"), batch rows over data x fsdp; metrics are replicated. Nothing is gathered to the host.
     """
     G, K = num_groups, num_roles
     g_slot = jnp.asarray(group_slot, jnp.int32)
@@ -140,6 +145,9 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         W = batch.targets.shape[2]
         split = lambda x: x.reshape((S * M, mb) + x.shape[2:])
         mrows = jax.tree_util.tree_map(split, rows)
+        if mesh is not None:  # each micro-batch's rows are split over data x fsdp
+            mrows = jax.tree_util.tree_map(
+                lambda x: sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2), mesh, rules), mrows)
         mweight, mgroup = split(batch.row_weight), split(batch.group)
         mslot = jnp.repeat(jnp.arange(S, dtype=jnp.int32), M)
         one_slot_zero = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[1:], x.dtype), state.trainable)
@@ -163,7 +171,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             acc, num_total, mixed = carry
             r, w, grp, slot = xs
             mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
-            nums, vjp, aux = jax.vjp(lambda tr: _row_terms(cfg, spec, ucfg, base, tr, r), mine, has_aux=True)
+            nums, vjp, aux = jax.vjp(lambda tr: _row_terms(cfg, spec, ucfg, base, tr, r, mesh, rules), mine, has_aux=True)
             num_total = num_total.at[slot].add(jnp.sum(nums * w))
             (gr,) = vjp((w / den[slot]).astype(nums.dtype))
             if ucfg.diagnostics:
@@ -227,7 +235,31 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         metrics["finite"] = finite
         return new_state, metrics
 
-    return jax.jit(step, donate_argnums=(0,))
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0,))
+    return _sharded_jit(step, mesh, rules)
+
+
+def _sharded_jit(step, mesh, rules):
+    """jit `step` with shardings from the rules, built at the first call (they depend on the trees' shapes).
+    Arguments are placed first (a no-op for arrays already in place, so donation still works)."""
+    compiled = {}
+
+    def call(state, base, batch):
+        shapes = jax.tree_util.tree_map(jnp.shape, (state, base, batch))
+        key = (jax.tree_util.tree_structure(shapes), tuple(jax.tree_util.tree_leaves(shapes)))
+        if key not in compiled:  # shardings depend on shapes (a dimension the mesh does not divide stays whole)
+            rows = lambda x: (sharding.batch_sharding(x, mesh, 1, rules) if jnp.ndim(x) >= 2
+                              else sharding.replicated(mesh))
+            shardings = (sharding.tree_shardings(state, mesh, rules), sharding.tree_shardings(base, mesh, rules),
+                         jax.tree_util.tree_map(rows, batch))
+            fn = jax.jit(step, donate_argnums=(0,), in_shardings=shardings,
+                         out_shardings=(shardings[0], sharding.replicated(mesh)))
+            compiled[key] = (fn, shardings)
+        fn, shardings = compiled[key]
+        return fn(*jax.device_put((state, base, batch), shardings))
+
+    return call
 
 
 def init_state(trainable, tx) -> TrainState:

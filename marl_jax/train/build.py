@@ -25,6 +25,7 @@ class Runtime:
     model: LoadedModel
     base: Any  # frozen params on device
     mesh: Any
+    rules: Any  # logical axis rules (marl_jax.models.sharding)
     workflow: Any
     roles: tuple[str, ...]
     role_to_slot: dict[str, int]
@@ -40,7 +41,11 @@ class Runtime:
         return self.model.tokenizer
 
     def init_trainable(self, key):
-        return init_trainable(self.spec, self.model.cfg, self.base, key)
+        return self.place(init_trainable(self.spec, self.model.cfg, self.base, key))
+
+    def place(self, tree):
+        """Put a parameter-like tree (trainable weights, a train state) into its sharding on the mesh."""
+        return tree if self.mesh is None else jax.device_put(tree, sharding.tree_shardings(tree, self.mesh, self.rules))
 
     def max_new_tokens(self) -> dict[str, int]:
         return {r: int(self.config.rollout.max_new_tokens.get(r, 256)) for r in self.roles}
@@ -85,15 +90,14 @@ def make_grade_fn(tc):
 def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None = None) -> Runtime:
     """`model` / `tasks` may be injected (tests, notebooks); otherwise they come from the config."""
     validate(config)
-    model = model or load_model(config.model.name)
     dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
-    n_dev = len(jax.devices())
+    rules = sharding.parse_rules(config.mesh.rules)
     mesh = None
-    if n_dev > 1:
-        mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-        base = sharding.shard_params(model.params, mesh)
-    else:
-        base = jax.device_put(model.params)
+    if len(jax.devices()) > 1:
+        mesh = sharding.make_mesh(config.mesh.data, config.mesh.model, fsdp=config.mesh.fsdp)
+    # Each weight goes straight into its sharding as it is read (no host copy of the whole model).
+    model = model or load_model(config.model.name, mesh=mesh, rules=rules)
+    base = sharding.shard_params(model.params, mesh, rules) if mesh is not None else jax.device_put(model.params)
     opts = {k: v for k, v in dict(config.workflow_options).items()}
     workflow = make_workflow(config.workflow, **opts)
     roles = tuple(workflow.roles)
@@ -101,8 +105,8 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
     spec = PolicySpec(mode=config.trainable.mode, rank=config.trainable.rank, alpha=config.trainable.alpha,
                       targets=parse_targets(config.trainable.targets), num_slots=max(mapping.values()) + 1)
     sampler = Sampler(model.cfg, dtype=dtype, max_batch=config.rollout.max_batch, pad_id=model.tokenizer.pad_id,
-                      spec=spec, mesh=mesh)
+                      spec=spec, mesh=mesh, rules=rules)
     all_tasks = tasks if tasks is not None else load_tasks(config.task)
     train, val = split(list(all_tasks), config.task.val_size)
-    return Runtime(config, model, base, mesh, workflow, roles, mapping, spec, sampler, train, val,
+    return Runtime(config, model, base, mesh, rules, workflow, roles, mapping, spec, sampler, train, val,
                    make_grade_fn(config.task), dtype)

@@ -128,13 +128,14 @@ class Trainer:
         tables = dict(num_groups=len(self.groups.names), group_slot=self.groups.slot,
                       group_role=[rt.roles.index(r) for r in self.groups.role], num_roles=len(rt.roles),
                       role_slot=[rt.role_to_slot[r] for r in rt.roles])
+        tables.update(mesh=rt.mesh, rules=rt.rules)  # shardings of the update program, from the rules
         self.step_fn = make_train_step(rt.model.cfg, rt.spec, self.ucfg, self.tx, **tables)
         # Steps between diagnostics run the cheaper program (one backward pass instead of one per group).
         self.plain_step_fn = (make_train_step(rt.model.cfg, rt.spec, dataclasses.replace(self.ucfg, diagnostics=False),
                                               self.tx, **tables)
                               if g.diagnostics and g.diagnostics_every > 1 else self.step_fn)
         self.key = jax.random.PRNGKey(config.train.seed)
-        self.state = init_state(rt.init_trainable(jax.random.fold_in(self.key, 0)), self.tx)
+        self.state = rt.place(init_state(rt.init_trainable(jax.random.fold_in(self.key, 0)), self.tx))
         self.data = task_batches(rt.train_tasks, batch_size=config.num_tasks, seed=config.train.seed)
         self.monitor = CliffMonitor(drop=config.train.cliff_drop, patience=config.train.cliff_patience)
         self.ckpt = Checkpointer(workdir, keep=config.train.keep_ckpts)
@@ -142,8 +143,8 @@ class Trainer:
         latest = self.ckpt.latest_step()
         if latest is not None:
             state, meta = self.ckpt.restore(latest, template=self._ckpt_state())
-            self.state = TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
-                                    jnp.asarray(state["skipped"]))
+            self.state = rt.place(TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
+                                             jnp.asarray(state["skipped"])))
             self.data.set_state(meta["data"])
             self.monitor.load_state(meta["cliff"])
             self.start_step = latest
@@ -239,8 +240,8 @@ class Trainer:
         if stopped_on_cliff and self.c.train.restore_best_on_cliff and self.ckpt.best_step() is not None:
             best = self.ckpt.best_step()
             state, _ = self.ckpt.restore(best, template=self._ckpt_state())
-            self.state = TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
-                                    jnp.asarray(state["skipped"]))
+            self.state = rt.place(TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
+                                             jnp.asarray(state["skipped"])))
             out["restored_step"] = best
         if jax.process_index() == 0:
             if self.c.train.plots:
