@@ -1,16 +1,19 @@
 """GRPO update-step throughput: marl_jax's jitted train step against a PyTorch reference, same rows, same run.
 
     python benchmarks/train_step.py [--rows=8 --micro_batch=4 --prompt_len=100 --completion_len=128 --reps=3]
+    python benchmarks/train_step.py --skew --rows=16      # uneven lengths, as RL rows are
 
 The defaults keep a run near 6 minutes on 2 CPU cores; --rows=32 --micro_batch=8 is 4x the work per step.
 
 Workload: --rows random-token rows (prompt ~--prompt_len tokens +-20%, completion 75-100% of
 --completion_len) from --roles roles sharing one LoRA slot (rank 64, alpha 32, every linear layer) on
 SmolLM2-135M-Instruct (embedded) in float32. Advantages are random and nonzero; old log-probs are the
-starting policy's own plus N(0, 0.1) noise, so some tokens clip. LoRA B starts at small random values
+starting policy's own plus N(0, 0.1) noise, so some tokens clip. --skew draws uneven rows instead, as RL
+produces them: prompts of 70-500 tokens, completions log-uniform from 4 tokens to --completion_len. LoRA B starts at small random values
 (a policy some steps into training) so that the adapters change the output and the loss check covers them.
 
-marl_jax: make_train_step with UpdateConfig(diagnostics=False, metrics=False, remat=--remat) is the headline;
+marl_jax: make_train_step with UpdateConfig(diagnostics=False, metrics=False, remat=--remat,
+length_buckets=--length_buckets, dtype=--dtype) is the headline;
 the step with diagnostics and metrics on (exact per-role gradients from group-aligned micro-batches) is
 reported after it. Each is timed
 after a warm-up call, whose time (compilation included) is reported separately.
@@ -21,8 +24,11 @@ completion positions only), grad-norm clipping 1.0 and AdamW as marl_jax's optim
 Both take one untimed first step, then --reps timed steps alternately (so that changes in the load of a
 shared machine hit both alike); medians are reported. The first-step losses of both are printed (they
 agree to ~1e-6 relative when the computation is the same), and the losses after the AdamW updates.
-Prints wall times per step, tokens/s, the marl_jax step's achieved FLOP/s next to a jitted f32 2048^2
-matmul peak measured here, and as its last line `speedup=<PyTorch step time / marl_jax step time>`.
+Prints wall times per step, tokens/s, useful tokens (real prompt + completion) against the positions
+each side computes (marl_jax: every micro-batch over its token window; PyTorch: every micro-batch
+padded to its longest row), matmul FLOPs by part (base linears, attention, LoRA, LM head) useful and
+executed, the marl_jax step's achieved FLOP/s next to a jitted f32 2048^2 matmul peak measured here,
+and as its last line `speedup=<PyTorch step time / marl_jax step time>`.
 """
 from __future__ import annotations
 
@@ -65,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remat", default="none", choices=("none", "dots", "full"),
                    help="marl_jax backward recomputation (none keeps every activation, as the PyTorch side does)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", action="store_true", help="uneven rows: prompts 70-500, completions 4..completion_len")
+    p.add_argument("--length_buckets", type=int, default=4, help="marl_jax token windows per batch (1: all T)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="marl_jax base-model compute dtype (adapters, gradients, optimizer stay float32)")
     args = p.parse_args(argv)
     if args.rows < 1 or args.micro_batch < 1 or args.reps < 1:
         p.error("--rows, --micro_batch and --reps must be >= 1")
@@ -93,8 +103,12 @@ def synth_rows(args: argparse.Namespace, vocab: int, special: set[int]) -> list[
     ok = np.array([t for t in range(vocab) if t not in special])
     rows = []
     for i in range(args.rows):
-        p = int(rng.randint(int(args.prompt_len * 0.8), int(args.prompt_len * 1.2) + 1))
-        c = int(rng.randint(max(1, int(args.completion_len * 0.75)), args.completion_len + 1))
+        if args.skew:
+            p = int(rng.randint(70, 501))
+            c = int(round(np.exp(rng.uniform(np.log(4), np.log(args.completion_len)))))
+        else:
+            p = int(rng.randint(int(args.prompt_len * 0.8), int(args.prompt_len * 1.2) + 1))
+            c = int(rng.randint(max(1, int(args.completion_len * 0.75)), args.completion_len + 1))
         rows.append(Row([int(t) for t in rng.choice(ok, p)], [int(t) for t in rng.choice(ok, c)], [],
                         ROLE_NAMES[i % args.roles]))
     return rows
@@ -115,7 +129,7 @@ def start_lora(spec, cfg, base, seed: int):
     return out
 
 
-def step_flops(cfg, spec, body_tokens: float, ctx: float, head_tokens: float) -> float:
+def step_flops(cfg, spec, body_tokens: float, ctx: float, head_tokens: float, parts: bool = False):
     """Matmul FLOPs of one forward + backward over `body_tokens` positions (keys per query: ctx) and
     the LM head on `head_tokens` positions, with frozen base weights and LoRA on spec's targets.
 
@@ -131,7 +145,21 @@ def step_flops(cfg, spec, body_tokens: float, ctx: float, head_tokens: float) ->
           "w_gate": (d, cfg.intermediate_size), "w_up": (d, cfg.intermediate_size),
           "w_down": (cfg.intermediate_size, d)}
     lora = 2.0 * cfg.num_layers * spec.rank * sum(io[n][0] + io[n][1] for n in spec.target_names)
-    return body_tokens * (2 * lin + 3 * att + 3 * lora) + head_tokens * 2 * head
+    split = {"base linears": body_tokens * 2 * lin, "attention": body_tokens * 3 * att,
+             "LoRA": body_tokens * 3 * lora, "LM head": head_tokens * 2 * head}
+    return split if parts else sum(split.values())
+
+
+def computed_positions(rows, mb: int, window) -> tuple[int, int]:
+    """(body positions, attention query-key pairs) of micro-batches of `mb` rows in order, each over
+    window(longest row of the micro-batch) positions."""
+    pos = pairs = 0
+    for s in range(0, len(rows), mb):
+        chunk = rows[s:s + mb]
+        t = window(max(len(r.prompt_tokens) + len(r.completion_tokens) for r in chunk))
+        pos += len(chunk) * t
+        pairs += len(chunk) * t * t
+    return pos, pairs
 
 
 # ---------------------------------------------------------------- PyTorch reference
@@ -240,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     from marl_jax.policy.lora import PolicySpec
     from marl_jax.rl import optim
     from marl_jax.rl.batch import make_batch, make_groups
-    from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
+    from marl_jax.rl.update import UpdateConfig, init_state, item_windows, length_ladder, make_train_step
 
     t_start = time.perf_counter()
     print(f"load average at start (1/5/15 min, {os.cpu_count()} cores): "
@@ -273,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     roles = list(ROLE_NAMES[:args.roles])
     role_to_slot = {r: 0 for r in roles}
     groups = make_groups(roles, role_to_slot, None)
-    ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False, remat=args.remat)
+    ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False, remat=args.remat,
+                            length_buckets=args.length_buckets,
+                            dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     batch = make_batch(rows, advs.astype(np.float32), role_to_slot=role_to_slot, num_slots=1, groups=groups,
                        micro_batch=args.micro_batch, pad_id=tok.pad_id, agg=ucfg_off.agg)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
@@ -284,7 +314,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"workload: {args.rows} rows ({args.roles} roles sharing one LoRA slot, rank {spec.rank} alpha "
           f"{spec.alpha} on {len(spec.target_names)} linears per layer), {total} real tokens of which {comp} "
           f"completion tokens; micro-batch {args.micro_batch}; marl_jax arrays [S={S}, R={R}, T={T}], LM-head "
-          f"window W={W}; {args.model} float32; old log-probs = policy's + N(0, 0.1) ({old_s:.1f}s)")
+          f"window W={W}; {args.model}, marl_jax computes in {args.dtype}; old log-probs = policy's + N(0, 0.1) "
+          f"({old_s:.1f}s)")
+    # Positions each side computes: marl_jax runs each (slot, micro-batch) item over its token window
+    # (rl.update.item_windows), PyTorch pads each micro-batch of rows in order to its longest row.
+    win = item_windows(batch.length, args.micro_batch, T, args.length_buckets)
+    mbr = min(args.micro_batch, R)
+    jax_pos = int(win.sum()) * mbr
+    jax_pairs = int((win.astype(np.int64) ** 2).sum()) * mbr
+    jax_head = int((win > 0).sum()) * mbr * W
+    torch_pos, torch_pairs = computed_positions(rows, args.micro_batch, lambda n: n)
+    torch_head = sum(len(rows[s:s + args.micro_batch]) * max(len(r.completion_tokens) for r in rows[s:s + args.micro_batch])
+                     for s in range(0, len(rows), args.micro_batch))
+    print(f"positions computed per step (useful = {total} real tokens): marl_jax {jax_pos} "
+          f"({jax_pos / total:.2f}x; token windows per micro-batch {sorted(int(x) for x in win.ravel() if x)}, "
+          f"ladder {length_ladder(T, args.length_buckets)}), pytorch {torch_pos} ({torch_pos / total:.2f}x); "
+          f"over the whole T marl_jax would compute {S * R * T} ({S * R * T / total:.2f}x)")
 
     peak = matmul_peak()
     print(f"jitted f32 2048^2 matmul peak: {peak / 1e9:.1f} GFLOP/s")
@@ -334,9 +379,16 @@ def main(argv: list[str] | None = None) -> None:
         ttimes.append(dt)
     jmed, tmed = statistics.median(jtimes), statistics.median(ttimes)
 
-    exe = step_flops(cfg, spec, S * R * T, T, S * R * W)  # padded shapes, full T x T attention scores
-    ctx_real = np.mean([(len(r.prompt_tokens) + len(r.completion_tokens) + 1) / 2 for r in rows])
-    useful = step_flops(cfg, spec, total, ctx_real, comp)  # real tokens, causal context
+    # executed: marl_jax's windows (full t x t attention scores per item); useful: real tokens, causal context
+    exe_parts = step_flops(cfg, spec, jax_pos, jax_pairs / max(jax_pos, 1), jax_head, parts=True)
+    ctx_real = sum((len(r.prompt_tokens) + len(r.completion_tokens)) ** 2 / 2 for r in rows) / total
+    use_parts = step_flops(cfg, spec, total, ctx_real, comp, parts=True)
+    tor_parts = step_flops(cfg, spec, torch_pos, torch_pairs / max(torch_pos, 1), torch_head, parts=True)
+    exe, useful = sum(exe_parts.values()), sum(use_parts.values())
+    print("TFLOP per step by part (useful / marl_jax executed / pytorch executed): " + "; ".join(
+        f"{k} {use_parts[k] / 1e12:.3f} / {exe_parts[k] / 1e12:.3f} / {tor_parts[k] / 1e12:.3f}" for k in use_parts)
+        + f"; total {useful / 1e12:.3f} / {exe / 1e12:.3f} / {sum(tor_parts.values()) / 1e12:.3f}"
+        + (f" (+ the forward recomputed under remat={args.remat})" if args.remat != "none" else ""))
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
     print(f"marl_jax step (diagnostics off): median {jmed:.2f}s over {args.reps} ({fmt(jtimes)}); "
           f"first call incl. compile {jwarm:.1f}s")
@@ -345,14 +397,14 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.reps} ({fmt(ttimes)}); first step {twarm:.2f}s")
     print(f"tokens/s, completion tokens: marl_jax {comp / jmed:.1f}, pytorch {comp / tmed:.1f}")
     print(f"tokens/s, all real tokens (prompt + completion): marl_jax {total / jmed:.1f}, pytorch {total / tmed:.1f}"
-          f" (marl_jax computes {S * R * T} padded positions per step, {S * R * T / jmed:.1f}/s)")
+          f" (marl_jax computes {jax_pos} positions per step, {jax_pos / jmed:.1f}/s)")
     print(f"marl_jax achieved: {exe / jmed / 1e9:.1f} GFLOP/s executed ({exe / 1e12:.2f} TFLOP/step, "
           f"{100 * exe / jmed / peak:.0f}% of the matmul peak), {useful / jmed / 1e9:.1f} GFLOP/s useful "
           f"({useful / 1e12:.2f} TFLOP/step); pytorch {useful / tmed / 1e9:.1f} GFLOP/s useful")
     print("FLOP rule: matmuls only. Forward = base linears + attention (q.k, p.v) + LoRA (xA, (xA)B) at every "
           "position + LM head at scored positions. Backward = 1x base linears and 1x LM head (frozen weights: "
           "activation gradients only) + 2x attention + 2x LoRA (activation and A/B gradients). 'executed' counts "
-          "marl_jax's padded arrays (S*R*T positions, full TxT scores, head on the W window); 'useful' counts "
+          "marl_jax's token windows (full t x t scores per micro-batch, head on the W window); 'useful' counts "
           "real tokens with causal context and the head on completion tokens only")
     rel = abs(jlosses[0] - tlosses[0]) / max(abs(tlosses[0]), 1e-12)
     print(f"first-step loss: marl_jax {jlosses[0]:.7f}, pytorch {tlosses[0]:.7f} (relative difference {rel:.1e}); "

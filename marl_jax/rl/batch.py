@@ -14,6 +14,12 @@ Every row also carries a diagnostic group index: one group per (role, call index
 alignment is measured, else per role; the update measures each group's gradient exactly. With
 `align_groups` each group starts on a micro-batch boundary, so every micro-batch holds one group and
 its single backward pass is that group's gradient: per-group gradients then cost nothing extra.
+
+Rows are sorted by length (longest first) within each group (or slot), so that the rows of one
+micro-batch have similar lengths; each row's token count is in `length`, and the update runs each
+micro-batch over a token window just long enough for its longest row (rl.update.length_ladder), not
+over the whole batch's T. The loss is a sum of per-row terms, so the order of rows changes nothing
+but floating-point summation order.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from marl_jax.generate.sampler import length_bucket
 class TrainBatch(NamedTuple):
     tokens: np.ndarray  # [S, R, T] int32
     valid: np.ndarray  # [S, R, T] bool: real (non-padding) tokens
+    length: np.ndarray  # [S, R] int32: real tokens of each row (prompt + completion), 0 on padding
     win_start: np.ndarray  # [S, R] int32: position predicting the first completion token
     targets: np.ndarray  # [S, R, W] int32: completion tokens
     loss_mask: np.ndarray  # [S, R, W] float32: 1 on real completion tokens
@@ -104,12 +111,15 @@ def slot_denominators(rows: Sequence, role_to_slot: dict[str, int], num_slots: i
 def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str, int], num_slots: int,
                groups: GroupInfo, micro_batch: int, pad_id: int = 0, max_len: int | None = None,
                kl_coef: dict[str, float] | None = None, agg: str = "seq-mean-token-mean",
-               keep_zero_advantage: bool = False, align_groups: bool = True) -> TrainBatch:
+               keep_zero_advantage: bool = False, align_groups: bool = True,
+               sort_by_length: bool = True) -> TrainBatch:
     """Lay rows out by slot. Rows with `trained=False` count nowhere (no gradient, not in `den`).
 
     keep_zero_advantage: keep rows whose advantage is 0 (needed when a KL or entropy term is on).
     align_groups: start each diagnostic group on a micro-batch boundary (the update's diagnostics
     need it; without diagnostics it only adds padding).
+    sort_by_length: order rows longest first within each group (or slot, without align_groups), so
+    micro-batches are tight; False keeps the rows' order.
     """
     if len(rows) != len(advantages):
         raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
@@ -118,6 +128,9 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
     for i, r in enumerate(rows):
         if getattr(r, "trained", True) and (keep_zero_advantage or advantages[i] != 0) and r.completion_tokens:
             per_slot[role_to_slot[r.role]].append(i)
+    n_tok = lambda i: len(rows[i].prompt_tokens) + len(rows[i].completion_tokens)
+    if sort_by_length and not align_groups:
+        per_slot = [sorted(p, key=lambda i: -n_tok(i)) for p in per_slot]  # stable: ties keep their order
     kept = [rows[i] for p in per_slot for i in p]
     row_group = {i: group_of(groups, rows[i].role, rows[i].call_index) for p in per_slot for i in p}
     # Position of each kept row within its slot (None = padding): groups start on micro-batch boundaries.
@@ -129,6 +142,8 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
         lay: list[int | None] = []
         for g in sorted({row_group[i] for i in p}):
             members = [i for i in p if row_group[i] == g]
+            if sort_by_length:
+                members.sort(key=lambda i: -n_tok(i))
             lay += members + [None] * (_round_up(len(members), micro_batch) - len(members))
         layout.append(lay)
     lengths = [len(r.prompt_tokens) + len(r.completion_tokens) for r in kept] or [1]
@@ -141,6 +156,7 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
     S = num_slots
     b = TrainBatch(
         tokens=np.full((S, R, T), pad_id, np.int32), valid=np.zeros((S, R, T), bool),
+        length=np.zeros((S, R), np.int32),
         win_start=np.zeros((S, R), np.int32),
         targets=np.full((S, R, W), pad_id, np.int32), loss_mask=np.zeros((S, R, W), np.float32),
         old_logp=np.zeros((S, R, W), np.float32), advantages=np.zeros((S, R), np.float32),
@@ -156,6 +172,7 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
             n = len(seq)
             b.tokens[s, j, :n] = seq
             b.valid[s, j, :n] = True
+            b.length[s, j] = n
             # Position t predicts token t+1: completion token k sits at len(p)+k, predicted at len(p)+k-1.
             b.win_start[s, j] = len(p) - 1
             b.targets[s, j, : len(c)] = c

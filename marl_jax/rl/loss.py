@@ -30,8 +30,10 @@ def token_logprobs(logits: Array, targets: Array) -> Array:
     """log p(targets) under logits: [N, T, V], [N, T] int -> [N, T] float32."""
     if logits.ndim != targets.ndim + 1 or logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis")
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    x = logits.astype(jnp.float32)
+    # x[target] - logsumexp(x): the [N, T, V] log-softmax itself is never materialised.
+    picked = jnp.take_along_axis(x, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(x, axis=-1)
 
 
 def token_entropy(logits: Array) -> Array:
@@ -41,6 +43,32 @@ def token_entropy(logits: Array) -> Array:
     # Vocab entries with -inf logits have p = 0 and contribute 0 (not 0 * -inf = nan).
     plogp = jnp.where(p > 0, p * logp, 0.0)
     return -jnp.sum(plogp, axis=-1)
+
+
+def head_logprobs(head, h: Array, targets: Array, *, entropy: bool = False,
+                  chunk: int | None = None) -> tuple[Array, Array | None]:
+    """log p(targets) [N, W] (and the entropy [N, W] if asked) from hidden states h [N, W, D], with
+    head(x) -> logits [..., V] (final norm + LM head).
+
+    With chunk < W the positions are taken `chunk` at a time and each chunk's logits are recomputed in
+    the backward pass, so at most [N, chunk, V] logits are live (a 151,936-token vocabulary over
+    thousands of completion positions would not fit otherwise); the values are the same.
+    """
+    N, W = targets.shape
+
+    def one(hc, tc):
+        logits = head(hc)
+        return token_logprobs(logits, tc), (token_entropy(logits) if entropy else None)
+
+    if not chunk or chunk >= W:
+        return one(h, targets)
+    n = -(-W // chunk)
+    pad = n * chunk - W
+    hs = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(N, n, chunk, h.shape[-1]).swapaxes(0, 1)
+    ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(N, n, chunk).swapaxes(0, 1)
+    lp, ent = jax.lax.map(lambda x: jax.checkpoint(one)(*x), (hs, ts))
+    back = lambda a: a.swapaxes(0, 1).reshape(N, n * chunk)[:, :W]
+    return back(lp), (back(ent) if entropy else None)
 
 
 def kl_penalty(logp: Array, ref_logp: Array, estimator: str = "k3") -> Array:

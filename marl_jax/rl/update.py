@@ -3,7 +3,9 @@
 One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
   1. scans over work items, one per (slot, micro-batch); in each, a forward pass on that slot's
      parameters gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
-     denominator) its gradient. Items holding padding only are skipped. The loss is a sum of
+     denominator) its gradient. Items holding padding only are skipped, and each item runs over a
+     token window just long enough for its longest row (one of `length_ladder(T)`, chosen per item
+     by lax.switch), so short micro-batches do not pay for the batch's longest row. The loss is a sum of
      per-row terms over a denominator fixed for the whole batch, so accumulating micro-batch
      gradients is exact. With diagnostics on, the batch is group-aligned (every micro-batch
      holds rows of one diagnostic group), so each micro-batch gradient is added to its group's
@@ -48,7 +50,9 @@ class UpdateConfig:
     diagnostics: bool = True
     metrics: bool = True  # per-role clip fraction / KL / entropy (needs token entropies)
     remat: str = "full"  # what the backward pass recomputes: none | dots | full (see decoder.forward)
-    dtype: Any = jnp.float32
+    dtype: Any = jnp.float32  # compute dtype of the base model; adapters, gradients and optimizer stay float32
+    length_buckets: int = 4  # token windows per batch (T/n, 2T/n, ..., T); 1 runs every item over all T
+    head_chunk: int = 0  # LM-head positions per chunk (0: chunk only when one item's logits exceed 256 MiB)
 
     def __post_init__(self):
         if self.old_logp not in ("sampler", "recompute"):
@@ -57,6 +61,34 @@ class UpdateConfig:
             raise ValueError(f"agg must be one of {L.AGG_MODES}, got {self.agg!r}")
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.length_buckets < 1:
+            raise ValueError(f"length_buckets must be >= 1, got {self.length_buckets}")
+        if self.head_chunk < 0:
+            raise ValueError(f"head_chunk must be >= 0 (0 = automatic), got {self.head_chunk}")
+
+
+def length_ladder(T: int, n: int) -> tuple[int, ...]:
+    """The token windows an update over rows padded to T compiles: n steps of T/n (rounded up to a
+    multiple of 8), the last T. Each micro-batch runs over the shortest that holds its longest row."""
+    step = -(-T // n)
+    return tuple(sorted({min(T, -(-(step * i) // 8) * 8) for i in range(1, n + 1)}))
+
+
+def item_windows(length, micro_batch: int, T: int, n: int):
+    """Host-side: the token window each (slot, micro-batch) item of a batch runs over, as the update
+    chooses it ([S, M]; 0 for items of padding only, which are skipped). length: the batch's [S, R]
+    row lengths; T: its padded length; n: UpdateConfig.length_buckets."""
+    import numpy as np
+    length = np.asarray(length)
+    S, R = length.shape
+    mb = min(micro_batch, R)
+    longest = length.reshape(S, R // mb, mb).max(-1)
+    ladder = np.asarray(length_ladder(T, n))
+    which = np.minimum(np.searchsorted(ladder, longest, side="left"), len(ladder) - 1)
+    return np.where(longest > 0, ladder[which], 0)
+
+
+_HEAD_BYTES = 256 * 2 ** 20  # one item's float32 logits above this are computed in chunks of positions
 
 
 class TrainState(NamedTuple):
@@ -71,34 +103,38 @@ def _tree_dot(a, b):
                for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
-def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows, mesh=None, rules=None):
-    """Per-row loss numerators for one slot's micro-batch; aux = token log-probs (+ ref, entropy)."""
-    params, lora = unstacked(spec, base, one_slot)
-    W = rows["targets"].shape[-1]
-    idx = jnp.minimum(rows["win_start"][:, None] + jnp.arange(W), rows["tokens"].shape[1] - 1)
+def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows, mesh=None, rules=None,
+               *, norm_len: int | None = None):
+    """Per-row loss numerators for one slot's micro-batch; aux = token log-probs (+ ref, entropy).
 
-    def window_logits(p, lo):
+    norm_len: the sequence-sum normaliser when ucfg.max_len_norm is unset (the whole batch's W, also
+    when this item runs over a shorter window)."""
+    params, lora = unstacked(spec, base, one_slot)
+    N, W = rows["targets"].shape
+    idx = jnp.minimum(rows["win_start"][:, None] + jnp.arange(W), rows["tokens"].shape[1] - 1)
+    want_entropy = ucfg.entropy_coef != 0.0 or ucfg.metrics
+    chunk = ucfg.head_chunk or (W if N * W * cfg.vocab_size * 4 <= _HEAD_BYTES
+                                else max(8, _HEAD_BYTES // (4 * cfg.vocab_size * N)))
+
+    def window_logprobs(p, lo, entropy: bool):
         h = decoder.forward(p, cfg, rows["tokens"], rows["valid"], lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype,
                             return_hidden=True, remat=ucfg.remat, mesh=mesh, rules=rules)
         h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
-        return decoder.unembed(p, cfg, h, mesh=mesh, rules=rules)
+        head = lambda x: decoder.unembed(p, cfg, x, mesh=mesh, rules=rules)
+        return L.head_logprobs(head, h, rows["targets"], entropy=entropy, chunk=chunk)
 
-    logits = window_logits(params, lora)
-    logp = L.token_logprobs(logits, rows["targets"])
-    entropy = None
-    if ucfg.entropy_coef != 0.0:
-        entropy = L.token_entropy(logits)
-    elif ucfg.metrics:
-        entropy = jax.lax.stop_gradient(L.token_entropy(logits))
+    logp, entropy = window_logprobs(params, lora, want_entropy)
+    if entropy is not None and ucfg.entropy_coef == 0.0:
+        entropy = jax.lax.stop_gradient(entropy)
     ref = None
     if ucfg.kl:  # the frozen base model is the reference (LoRA off / the initial full weights)
-        ref = jax.lax.stop_gradient(L.token_logprobs(window_logits(base, None), rows["targets"]))
+        ref = jax.lax.stop_gradient(window_logprobs(base, None, False)[0])
     old = jax.lax.stop_gradient(logp) if ucfg.old_logp == "recompute" else rows["old_logp"]
 
     def one_row(lp, ol, adv, m, ent, rf, kc):
         num, _ = L.policy_loss_terms(
             lp[None], ol[None], adv[None], m[None], clip_low=ucfg.clip_low, clip_high=ucfg.clip_high,
-            dual_clip=ucfg.dual_clip, agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or lp.shape[-1],
+            dual_clip=ucfg.dual_clip, agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or norm_len or lp.shape[-1],
             ref_logp=None if rf is None else rf[None], kl_coef=kc if ucfg.kl else 0.0,
             kl_estimator=ucfg.kl_estimator, entropy=None if ent is None else ent[None],
             entropy_coef=ucfg.entropy_coef)
@@ -136,7 +172,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         mb = min(ucfg.micro_batch, R)
         M = R // mb
         den = jnp.maximum(batch.den, 1.0)  # [S], counted on the host over every trained row
-        rows = {"tokens": batch.tokens, "valid": batch.valid, "win_start": batch.win_start,
+        rows = {"tokens": batch.tokens, "valid": batch.valid, "length": batch.length, "win_start": batch.win_start,
                 "targets": batch.targets, "loss_mask": batch.loss_mask,
                 "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
         # [S, R, ...] -> [S * M, mb, ...]: one work item per (slot, micro-batch), slot-major. Items run one at
@@ -167,13 +203,35 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 return st
             return jax.vmap(for_role)(jnp.arange(K))
 
+        ladder = length_ladder(T, ucfg.length_buckets)
+
+        def terms_over(t):
+            """Row numerators, gradient and aux of one item computed over its first t positions (every row of
+            the item is at most t tokens long, so causal attention gives the same values as over all T)."""
+            Wt = min(W, t)  # a completion is shorter than its row
+
+            def run(mine, r, cot):
+                rt = dict(r, tokens=r["tokens"][:, :t], valid=r["valid"][:, :t], targets=r["targets"][:, :Wt],
+                          loss_mask=r["loss_mask"][:, :Wt], old_logp=r["old_logp"][:, :Wt])
+                nums, vjp, aux = jax.vjp(lambda tr: _row_terms(cfg, spec, ucfg, base, tr, rt, mesh, rules, norm_len=W),
+                                         mine, has_aux=True)
+                (gr,) = vjp(cot.astype(nums.dtype))
+                aux = jax.tree_util.tree_map(lambda a: jnp.pad(a, ((0, 0), (0, W - Wt))), aux)
+                return nums, gr, aux
+            return run
+
         def compute(carry, xs):
             acc, num_total, mixed = carry
             r, w, grp, slot = xs
             mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
-            nums, vjp, aux = jax.vjp(lambda tr: _row_terms(cfg, spec, ucfg, base, tr, r, mesh, rules), mine, has_aux=True)
+            cot = w / den[slot]
+            if len(ladder) == 1:
+                nums, gr, aux = terms_over(T)(mine, r, cot)
+            else:  # the shortest window that holds the item's longest row
+                which = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(r["length"]), side="left")
+                nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ladder) - 1),
+                                               [terms_over(t) for t in ladder], mine, r, cot)
             num_total = num_total.at[slot].add(jnp.sum(nums * w))
-            (gr,) = vjp((w / den[slot]).astype(nums.dtype))
             if ucfg.diagnostics:
                 mg = jnp.max(grp)  # this item's group, -1 if all padding
                 mixed = mixed + jnp.sum((grp >= 0) & (grp != mg))
