@@ -14,6 +14,7 @@ before top-k / top-p truncation: the distribution a teacher-forced training pass
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -147,6 +148,88 @@ def _row_keys(key, row_id, step):
 
 
 
+class PrefixCache:
+    """Keys and values of earlier calls' sequences (prompt + completion), kept on the device in blocks of
+    `block` tokens and found again by their tokens, so that a later prompt extending one is not prefilled again.
+
+    Blocks form a trie: a block's key is (its parent block's node, its `block` tokens), the root being the
+    policy slot, so a block stands for the whole prefix up to its end, as in vLLM's prefix caching. Memory is
+    bounded: `num_blocks` blocks of keys and values ([L, Hkv, hd, num_blocks * block] and the transpose),
+    allocated at the first store; when full, the least recently used block is reused (children are touched
+    before their parents, so a prefix's tail goes before its head). Keys and values depend on the
+    parameters, so the cache empties whenever `generate` gets another params or trainable object.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block: int = 16, dtype=jnp.float32):
+        if num_blocks < 1 or block < 1:
+            raise ValueError(f"prefix cache needs num_blocks >= 1 and block >= 1, got {num_blocks}, {block}")
+        self.cfg, self.num_blocks, self.block, self.dtype = cfg, num_blocks, block, dtype
+        self.k = self.v = None
+        self._owner: tuple = ()
+        self.clear()
+
+    def clear(self):
+        self.nodes: collections.OrderedDict = collections.OrderedDict()  # (parent node, tokens) -> (node, block), LRU first
+        self.free = list(range(self.num_blocks))
+        self._next_node = 0
+
+    def bind(self, *objs):
+        """Empty the cache unless these (the params and trainable objects) are the ones it was filled with."""
+        if len(objs) != len(self._owner) or any(a is not b for a, b in zip(objs, self._owner)):
+            self.clear()
+            self._owner = objs
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def lookup(self, slot: int, tokens: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `tokens`, leaving at least its last token uncached
+        (its logits start decoding)."""
+        parent, found, keys = ("slot", slot), [], []
+        for i in range((len(tokens) - 1) // self.block):
+            key = (parent, tuple(tokens[i * self.block:(i + 1) * self.block]))
+            hit = self.nodes.get(key)
+            if hit is None:
+                break
+            parent = hit[0]
+            found.append(hit[1])
+            keys.append(key)
+        for key in reversed(keys):  # the head ends most recently used
+            self.nodes.move_to_end(key)
+        return found
+
+    def reserve(self, slot: int, tokens: Sequence[int], taken: set) -> list[tuple[int, int]]:
+        """(token start, block) for each full block of `tokens` not cached yet, evicting least recently used
+        blocks; `taken` holds blocks this store walked through, which are never evicted (the store stops)."""
+        parent, new, keys = ("slot", slot), [], []
+        for i in range(len(tokens) // self.block):
+            key = (parent, tuple(tokens[i * self.block:(i + 1) * self.block]))
+            hit = self.nodes.get(key)
+            if hit is None:
+                if not self.free:
+                    victim = next(iter(self.nodes))
+                    if self.nodes[victim][1] in taken:
+                        break
+                    self.free.append(self.nodes.pop(victim)[1])
+                hit = (self._next_node, self.free.pop())
+                self._next_node += 1
+                self.nodes[key] = hit
+                new.append((i * self.block, hit[1]))
+            self.nodes.move_to_end(key)  # most recently used: not evicted by this walk
+            taken.add(hit[1])
+            parent = hit[0]
+            keys.append(key)
+        for key in reversed(keys):
+            self.nodes.move_to_end(key)
+        return new
+
+    def ensure(self):
+        if self.k is None:
+            c, n = self.cfg, self.num_blocks * self.block
+            self.k = jnp.zeros((c.num_layers, c.num_kv_heads, c.head_dim, n), self.dtype)
+            self.v = jnp.zeros((c.num_layers, c.num_kv_heads, n, c.head_dim), self.dtype)
+
 
 class Sampler:
     """Generates completions for a list of token prompts.
@@ -155,14 +238,16 @@ class Sampler:
     recompile. `trainable` (optional, see marl_jax.policy.lora) has a leading slot axis; `slot`
     picks one by a traced index, so sampling another role's slot reuses the same program.
 
-    `compaction` and `share_prefix` (prefill a prefix all distinct prompts share once) only save work;
-    turning them off gives the same completions (tests compare both ways). `stats` holds the last
-    call's counts: prefill and decode seconds, rows, prompt tokens computed, row-steps, compactions.
+    `compaction`, `share_prefix` (prefill a prefix all distinct prompts share once) and the prefix cache
+    (`prefix_cache_tokens` > 0: keys and values of earlier calls' prompts and completions, reused by later
+    prompts that extend them; see PrefixCache) only save work; turning them off gives the same completions
+    (tests compare both ways). `stats` holds the last call's counts: prefill and decode seconds, rows,
+    prompt tokens computed and found cached, row-steps, compactions.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
-                 rules=None):
+                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
@@ -179,6 +264,8 @@ class Sampler:
         self.min_batch = max(min_batch, self.data_size)
         self.stats: dict[str, Any] = {}
         self._fns: dict[Any, Any] = {}
+        self.prefix_cache = (PrefixCache(cfg, -(-prefix_cache_tokens // prefix_block), prefix_block, dtype)
+                             if prefix_cache_tokens > 0 else None)
 
     def _select(self, params, trainable, slot):
         if trainable is None:
@@ -198,13 +285,17 @@ class Sampler:
             return self._fns[key_]
         cfg = self.cfg
 
-        def prefill(params, trainable, slot, prefix, tokens, valid, expand, max_len, row_id, key):
+        def prefill(params, trainable, slot, prefix, tokens, valid, offset, expand, max_len, row_id, key, pool):
             """Prefill the distinct prompts, then copy each row's prompt cache (`expand` [B] indexes them).
 
             prefix [C] holds tokens every distinct prompt starts with (C may be 0); tokens [Bu, S] holds the
             rest of each prompt, left-padded. The prefix runs once and its keys and values are shared by every
-            row: slots [0, C) hold the prefix, [C, C + S) each row's padded rest. Positions count real tokens,
-            so the padding between the two changes nothing."""
+            row: slots [0, C) hold the prefix, [C, C + S) each row's padded rest. Positions count real tokens
+            (the rest of row u starts at position offset[u]), so the padding between the two changes nothing.
+
+            pool (or None) = (k, v, src [Bu, C']): the prefix cache's keys and values and, for each of the first
+            C' slots of each row, the cache slot its key and value come from (-1: none); a row's cached prefix
+            is loaded there instead of computed (then C = 0)."""
             Bu, S = tokens.shape
             C = prefix.shape[0]
             params, lo = self._select(params, trainable, slot)
@@ -215,7 +306,15 @@ class Sampler:
                 _, one = run(prefix[None], jnp.arange(C)[None], decoder.init_cache(cfg, 1, cache_len, self.dtype),
                              jnp.int32(0), jnp.ones((1, C), bool), window=C)
                 cache = jax.tree_util.tree_map(lambda x, full: jnp.broadcast_to(x, full.shape), one, cache)
-            positions = C + jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+            if pool is not None:
+                pk, pv, src = pool
+                C = src.shape[1]
+                at = jnp.maximum(src, 0)
+                k = jnp.take(pk, at, axis=3).transpose(0, 3, 1, 2, 4).astype(cache.k.dtype)  # [L, Bu, H, hd, C]
+                v = jnp.take(pv, at, axis=2).transpose(0, 2, 1, 3, 4).astype(cache.v.dtype)  # [L, Bu, H, C, hd]
+                cache = KVCache(cache.k.at[..., :C].set(k), cache.v.at[:, :, :, :C].set(v),
+                                cache.valid.at[:, :C].set(src >= 0))
+            positions = offset[:, None] + jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
             logits, cache = run(tokens, positions, cache, jnp.int32(C), valid, window=C + S)
             take = lambda x, axis=0: jnp.take(x, expand, axis=axis)
             cache = cache.map_batch(take)
@@ -296,8 +395,11 @@ class Sampler:
         out = SampleOutput(np.full((n, sp.max_new_tokens), self.pad_id, np.int32),
                            np.zeros((n, sp.max_new_tokens), np.float32), np.zeros(n, np.int32), np.zeros(n, bool))
         self._stops, self._limits = tuple(sp.stop_ids), limits
-        self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
-                      "decode_steps": 0, "row_steps": 0, "compactions": 0}
+        self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_s": 0.0,
+                      "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "stored_tokens": 0}
+        if self.prefix_cache is not None:
+            self.prefix_cache.bind(params, trainable)
+        self._prompts = prompts
         # Longest prompts first, so each chunk's prompt bucket is tight.
         order = np.argsort([-len(p) for p in prompts], kind="stable")
         for start in range(0, n, self.max_batch):
@@ -307,6 +409,7 @@ class Sampler:
 
     def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out: SampleOutput):
         n = len(prompts)
+        slot_id = int(slot)
         B = _batch_bucket(n, self.min_batch, self.data_size)
         Tn = length_bucket(sp.max_new_tokens)
         # Identical prompts (the G episodes of a task, parallel voters) are prefilled once.
@@ -315,17 +418,42 @@ class Sampler:
         for i, p in enumerate(prompts):
             expand[i] = uniq.setdefault(tuple(p), len(uniq))
         Bu = _batch_bucket(len(uniq), self.min_batch, self.data_size)
-        # A prefix all distinct prompts share (a role's system prompt and instructions) is prefilled once.
-        C = _shared_prefix_len(list(uniq)) if self.share_prefix else 0
-        S = length_bucket(max(len(p) for p in uniq) - C)
+        # Prompts extending an earlier call's sequences load those keys and values from the prefix cache.
+        pc = self.prefix_cache
+        hits = {p: pc.lookup(slot_id, p) for p in uniq} if pc is not None else {}
+        cached = {p: len(b) * pc.block for p, b in hits.items()} if pc is not None else {}
+        # Otherwise, a prefix all distinct prompts share (a role's system prompt and instructions) is
+        # prefilled once.
+        C = 0
+        if not any(cached.values()) and self.share_prefix:
+            C = _shared_prefix_len(list(uniq))
+            cached = {p: C for p in uniq}
+        elif any(cached.values()):
+            C = length_bucket(max(cached.values()))
+        S = length_bucket(max(len(p) - cached.get(p, 0) for p in uniq))
         P = C + S
         tokens = np.full((Bu, S), self.pad_id, np.int32)
         valid = np.zeros((Bu, S), bool)
+        offset = np.zeros(Bu, np.int32)
         for p, u in uniq.items():
-            tokens[u, S - len(p) + C:] = p[C:]
-            valid[u, S - len(p) + C:] = True
+            h = cached.get(p, 0)
+            tokens[u, S - len(p) + h:] = p[h:]
+            valid[u, S - len(p) + h:] = True
+            offset[u] = h
         valid[len(uniq):, -1] = True  # filler rows: one dummy token so their softmax is well defined
-        prefix = np.asarray(prompts[0][:C], np.int32)
+        pool = None
+        if any(hits.values()):
+            src = np.full((Bu, C), -1, np.int32)
+            for p, u in uniq.items():
+                for j, b in enumerate(hits[p]):
+                    src[u, j * pc.block:(j + 1) * pc.block] = b * pc.block + np.arange(pc.block)
+            pool = (pc.k, pc.v, jnp.asarray(src))
+            prefix = np.zeros(0, np.int32)
+        else:
+            prefix = np.asarray(prompts[0][:C], np.int32)
+        # Where each row's prompt tokens sit in the cache: its first `cached` tokens at slots [0, cached),
+        # the rest ending at slot P (completion token t goes to slot P + t).
+        self._layout = {int(r): (cached.get(tuple(p), 0), P) for r, p in zip(row_ids, prompts)}
         rid = np.full(B, -1, np.int32)
         rid[:n] = row_ids
         max_len = np.zeros(B, np.int32)
@@ -333,13 +461,15 @@ class Sampler:
         slot = jnp.int32(slot)
         t0 = time.perf_counter()
         state = self._prefill_fn(sp, P + Tn, Tn)(params, trainable, slot, jnp.asarray(prefix), jnp.asarray(tokens),
-                                                 jnp.asarray(valid), jnp.asarray(expand), jnp.asarray(max_len),
-                                                 jnp.asarray(rid), key)
+                                                 jnp.asarray(valid), jnp.asarray(offset), jnp.asarray(expand),
+                                                 jnp.asarray(max_len), jnp.asarray(rid), key, pool)
         jax.block_until_ready(state.token)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_rows"] += len(uniq)
-        self.stats["prefill_tokens"] += C + sum(len(p) - C for p in uniq)
+        self.stats["prefill_tokens"] += len(prefix) + sum(len(p) - cached.get(p, 0) for p in uniq)
         self.stats["prompt_tokens"] += sum(len(p) for p in uniq)
+        if pool is not None:
+            self.stats["cached_tokens"] += sum(cached.values())
         t0 = time.perf_counter()
         step = 1
         while True:
@@ -354,11 +484,11 @@ class Sampler:
             self.stats["decode_steps"] += step - step0
             self.stats["row_steps"] += (step - step0) * B
             if not active.any() or step >= Tn:
-                self._harvest(state, out)
+                self._harvest(state, out, slot_id, final=True)
                 break
             if active.sum() > shrink_to:
                 continue  # only the window moved
-            self._harvest(state, out)
+            self._harvest(state, out, slot_id)
             # Compact: live rows first, then fillers, into the next smaller bucket.
             live = np.flatnonzero(active)
             newB = _batch_bucket(len(live), self.min_batch, self.data_size)
@@ -379,10 +509,12 @@ class Sampler:
             return (P + Tn,)
         return (P + Tn // 4, P + Tn // 2, P + Tn)
 
-    def _harvest(self, state: DecodeState, out: SampleOutput):
-        """Copy every real row's results so far to the host output (live rows are overwritten later)."""
+    def _harvest(self, state: DecodeState, out: SampleOutput, slot: int = 0, final: bool = False):
+        """Copy every real row's results so far to the host output (live rows are overwritten later), and
+        finished rows' keys and values to the prefix cache."""
         rid = to_host(state.row_id)
         real = rid >= 0
+        done_rows = []
         toks = to_host(state.out_tokens)[real]
         lps = to_host(state.out_logp)[real]
         rows = rid[real]
@@ -402,3 +534,45 @@ class Sampler:
             out.logprobs[r, length:] = 0.0
             out.lengths[r] = length
             out.finished[r] = bool(len(hit)) and hit[0] < length
+        if self.prefix_cache is not None:
+            act = np.zeros(len(rows), bool) if final else to_host(state.active)[real]
+            batch_row = np.flatnonzero(real)
+            self._store(state, slot, [(int(batch_row[j]), int(r)) for j, r in enumerate(rows) if not act[j]], out)
+
+    def _store(self, state: DecodeState, slot: int, rows: list[tuple[int, int]], out: SampleOutput):
+        """Copy the full blocks of finished rows' sequences (prompt and completion but its last token, which
+        was never fed back) into the prefix cache: one gather-scatter program per bucket of token count."""
+        pc = self.prefix_cache
+        src_row, src_slot, dst = [], [], []
+        taken: set = set()
+        for b, r in rows:
+            prompt = list(self._prompts[r])
+            n = int(out.lengths[r])
+            seq = prompt + out.tokens[r, :n - 1].tolist()
+            cached, P = self._layout[r]
+            for start, block in pc.reserve(slot, seq, taken):
+                j = np.arange(start, start + pc.block)
+                slots = np.where(j < cached, j, np.where(j < len(prompt), P - len(prompt) + j, P + j - len(prompt)))
+                src_row += [b] * pc.block
+                src_slot += slots.tolist()
+                dst += (block * pc.block + np.arange(pc.block)).tolist()
+        if not dst:
+            return
+        m = length_bucket(len(dst), 256)
+        pad = m - len(dst)
+        pc.ensure()
+        idx = [jnp.asarray(np.asarray(a + [f] * pad, np.int32)) for a, f in
+               ((src_row, 0), (src_slot, 0), (dst, pc.num_blocks * pc.block))]
+        pc.k, pc.v = self._store_fn()(pc.k, pc.v, state.cache, *idx)
+        self.stats["stored_tokens"] += len(dst)
+
+    def _store_fn(self):
+        if "store" not in self._fns:
+            def store(pk, pv, cache: KVCache, rows, slots, dst):
+                k = cache.k[:, rows, :, :, slots]  # [M, L, H, hd]
+                v = cache.v[:, rows, :, slots, :]  # [M, L, H, hd]
+                pk = pk.at[:, :, :, dst].set(k.transpose(1, 2, 3, 0).astype(pk.dtype), mode="drop")
+                pv = pv.at[:, :, dst, :].set(v.transpose(1, 2, 0, 3).astype(pv.dtype), mode="drop")
+                return pk, pv
+            self._fns["store"] = jax.jit(store, donate_argnums=(0, 1))
+        return self._fns["store"]
