@@ -163,3 +163,33 @@ def test_bad_length_buckets_and_head_chunk_are_refused():
         UpdateConfig(length_buckets=0)
     with pytest.raises(ValueError, match="head_chunk"):
         UpdateConfig(head_chunk=-1)
+
+
+def test_remat_auto_keeps_activations_of_short_windows_and_recomputes_long_ones():
+    from marl_jax.rl.update import remat_for
+    from marl_jax.models.decoder import ModelConfig
+    big = ModelConfig(family="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+                      num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True)
+    gib = 2 ** 30
+    # Qwen3-1.7B-shaped, 4 rows, LoRA r64, a 40 GiB budget: keep all at 256 tokens, matmul outputs at 1024,
+    # recompute layers from 2048 (every layer's activations at 1024 tokens are ~30 GB).
+    modes = [remat_for(big, 4, t, 128, 40 * gib, rank=64) for t in (256, 1024, 2048, 4096)]
+    assert modes == ["none", "dots", "full", "full"]
+    assert remat_for(big, 4, 256, 128, 400 * gib, rank=64) == "none"
+    # Recomputation changes no value: the auto step equals the keep-everything step.
+    rng = np.random.RandomState(5)
+    rows = _uneven_rows(rng, [("gen", 6, 1)])
+    advs = list(rng.randn(len(rows)))
+    base, spec, tr = _setup(1)
+    groups = make_groups(["gen"], {"gen": 0}, None)
+    batch = jax.tree_util.tree_map(jnp.asarray, make_batch(rows, np.asarray(advs, np.float32), role_to_slot={"gen": 0},
+                                                          num_slots=1, groups=groups, micro_batch=4))
+    out = []
+    for remat, budget in (("none", 4.0), ("auto", 1e-6)):  # a tiny budget: every window recomputes ("full")
+        tx = optim.per_slot(optax.sgd(LR))
+        step = make_train_step(CFG, spec, UpdateConfig(micro_batch=4, remat=remat, remat_budget_gb=budget), tx,
+                               num_groups=1, group_slot=(0,), group_role=[0], num_roles=1, role_slot=[0])
+        out.append(step(init_state(jax.tree_util.tree_map(jnp.array, tr), tx), base, batch))
+    _assert_tree_close(out[0][0].trainable, out[1][0].trainable, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="remat"):
+        UpdateConfig(remat="sometimes")

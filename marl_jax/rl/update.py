@@ -49,7 +49,8 @@ class UpdateConfig:
     micro_batch: int = 8
     diagnostics: bool = True
     metrics: bool = True  # per-role clip fraction / KL / entropy (needs token entropies)
-    remat: str = "full"  # what the backward pass recomputes: none | dots | full (see decoder.forward)
+    remat: str = "full"  # what the backward pass recomputes: none | dots | full (see decoder.forward) | auto
+    remat_budget_gb: float = 4.0  # remat="auto": activation bytes one item may hold (per token window)
     dtype: Any = jnp.float32  # compute dtype of the base model; adapters, gradients and optimizer stay float32
     length_buckets: int = 4  # token windows per batch (T/n, 2T/n, ..., T); 1 runs every item over all T
     head_chunk: int = 0  # LM-head positions per chunk (0: chunk only when one item's logits exceed 256 MiB)
@@ -61,10 +62,33 @@ class UpdateConfig:
             raise ValueError(f"agg must be one of {L.AGG_MODES}, got {self.agg!r}")
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
+        if self.remat == "auto" and not self.remat_budget_gb > 0:
+            raise ValueError(f"remat='auto' needs remat_budget_gb > 0, got {self.remat_budget_gb}")
         if self.length_buckets < 1:
             raise ValueError(f"length_buckets must be >= 1, got {self.length_buckets}")
         if self.head_chunk < 0:
             raise ValueError(f"head_chunk must be >= 0 (0 = automatic), got {self.head_chunk}")
+
+
+REMAT_MODES = ("none", "dots", "full", "auto")
+
+
+def remat_for(cfg: ModelConfig, rows: int, t: int, W: int, budget_bytes: float, *, dtype: str = "float32",
+              rank: int = 0) -> str:
+    """The remat mode with the least recomputation ("none", then "dots") whose activations for one item
+    of `rows` rows over t tokens (LM head on W positions) fit budget_bytes on one device, else "full".
+    Bytes from marl_jax.plan's memory model (checked there against XLA's memory analysis)."""
+    import types
+    from marl_jax import plan
+    conf = types.SimpleNamespace(model=types.SimpleNamespace(dtype=dtype),
+                                 trainable=types.SimpleNamespace(mode="lora" if rank else "full", rank=rank))
+    for mode in ("none", "dots"):
+        knobs = plan.Knobs(mesh=plan.Mesh(), micro_batch=rows, remat=mode, max_batch=1)
+        if plan.activation_bytes(cfg, conf, None, knobs, T=t, W=W) <= budget_bytes:
+            return mode
+    return "full"
 
 
 def length_ladder(T: int, n: int) -> tuple[int, ...]:
@@ -104,11 +128,11 @@ def _tree_dot(a, b):
 
 
 def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows, mesh=None, rules=None,
-               *, norm_len: int | None = None):
+               *, norm_len: int | None = None, remat: str | None = None):
     """Per-row loss numerators for one slot's micro-batch; aux = token log-probs (+ ref, entropy).
 
     norm_len: the sequence-sum normaliser when ucfg.max_len_norm is unset (the whole batch's W, also
-    when this item runs over a shorter window)."""
+    when this item runs over a shorter window). remat: this item's mode (default ucfg.remat)."""
     params, lora = unstacked(spec, base, one_slot)
     N, W = rows["targets"].shape
     idx = jnp.minimum(rows["win_start"][:, None] + jnp.arange(W), rows["tokens"].shape[1] - 1)
@@ -118,7 +142,7 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
 
     def window_logprobs(p, lo, entropy: bool):
         h = decoder.forward(p, cfg, rows["tokens"], rows["valid"], lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype,
-                            return_hidden=True, remat=ucfg.remat, mesh=mesh, rules=rules)
+                            return_hidden=True, remat=remat or ucfg.remat, mesh=mesh, rules=rules)
         h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
         head = lambda x: decoder.unembed(p, cfg, x, mesh=mesh, rules=rules)
         return L.head_logprobs(head, h, rows["targets"], entropy=entropy, chunk=chunk)
@@ -209,12 +233,17 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             """Row numerators, gradient and aux of one item computed over its first t positions (every row of
             the item is at most t tokens long, so causal attention gives the same values as over all T)."""
             Wt = min(W, t)  # a completion is shorter than its row
+            remat = ucfg.remat
+            if remat == "auto":  # per window: short items keep their activations, long ones recompute
+                remat = remat_for(cfg, mb, t, Wt, ucfg.remat_budget_gb * 2 ** 30,
+                                  dtype="bfloat16" if jnp.dtype(ucfg.dtype) == jnp.bfloat16 else "float32",
+                                  rank=spec.rank if spec.mode == "lora" else 0)
 
             def run(mine, r, cot):
                 rt = dict(r, tokens=r["tokens"][:, :t], valid=r["valid"][:, :t], targets=r["targets"][:, :Wt],
                           loss_mask=r["loss_mask"][:, :Wt], old_logp=r["old_logp"][:, :Wt])
-                nums, vjp, aux = jax.vjp(lambda tr: _row_terms(cfg, spec, ucfg, base, tr, rt, mesh, rules, norm_len=W),
-                                         mine, has_aux=True)
+                terms = lambda tr: _row_terms(cfg, spec, ucfg, base, tr, rt, mesh, rules, norm_len=W, remat=remat)
+                nums, vjp, aux = jax.vjp(terms, mine, has_aux=True)
                 (gr,) = vjp(cot.astype(nums.dtype))
                 aux = jax.tree_util.tree_map(lambda a: jnp.pad(a, ((0, 0), (0, W - Wt))), aux)
                 return nums, gr, aux
