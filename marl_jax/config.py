@@ -59,10 +59,17 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
     c.optim = ml_collections.ConfigDict(dict(
         lr=2e-5, weight_decay=0.01, grad_clip=1.0, schedule="constant", warmup_steps=0, min_lr_ratio=0.0))
     c.train = ml_collections.ConfigDict(dict(
-        steps=300, seed=0, val_every=10, val_temperature=0.7, ckpt_every=10, keep_ckpts=3,
+        steps=300, seed=0, val_every=10, val_temperature=0.7, val_samples=1, ckpt_every=10, keep_ckpts=3,
         cliff_drop=0.15, cliff_patience=3, stop_on_cliff=False, restore_best_on_cliff=True,
         tensorboard=True, plots=True,
     ))
+    # Levers on each role's exact gradient before clipping (formulas: marl_jax/rl/levers.py). damping: lambda
+    # of gradient-coherence damping (0 = off) over an EMA of damping_window steps; fanout: none | inverse |
+    # inverse_sqrt (a role with k parallel copies steps by 1/k or 1/sqrt(k)); balance: none | equal | weights |
+    # capped (Shared-Policy: each role's share of its slot's gradient mass). Need grpo.diagnostics_every=1.
+    c.levers = ml_collections.ConfigDict(dict(
+        damping=0.0, damping_window=64, fanout="none", balance="none",
+        balance_weights=ml_collections.ConfigDict({r: 1.0 for r in roles}), balance_cap=0.5))
     # Devices: data x fsdp x model (data=-1: all the rest). rules: a preset of
     # marl_jax.models.sharding.RULES, optionally with overrides ("fsdp_tp;vocab=none").
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1, rules="fsdp_tp"))
@@ -131,13 +138,15 @@ _CHOICES = {
     "task.extraction": ("boxed", "last_number", "boxed_or_last_number"),
     "rollout.credit": ("broadcast", "per_agent"),
     "grpo.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "grpo.kl_estimator": ("k1", "k3"),
+    "grpo.kl_estimator": ("k1", "k3", "low_var"),
+    "levers.fanout": ("none", "inverse", "inverse_sqrt"),
+    "levers.balance": ("none", "equal", "weights", "capped"),
     "grpo.old_logp": ("sampler", "recompute"),
     "grpo.remat": ("none", "dots", "full"),
     "optim.schedule": ("constant", "warmup_cosine"),
 }
 _POSITIVE = ("num_tasks", "rollout.group_size", "rollout.max_batch", "grpo.micro_batch", "train.val_every",
-             "train.ckpt_every", "trainable.rank", "task.size")
+             "train.ckpt_every", "trainable.rank", "task.size", "train.val_samples", "levers.damping_window")
 
 
 def _get(c, dotted):
@@ -179,6 +188,21 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for k, v in c.grpo.kl_coef.items():
         if v < 0:
             errors.append(f"--config.grpo.kl_coef.{k} must be >= 0, got {v}")
+    lv = c.levers
+    if not 0.0 <= lv.damping <= 1.0:
+        errors.append(f"--config.levers.damping (lambda) must be in [0, 1], got {lv.damping}")
+    if lv.balance == "capped" and not 0.0 < lv.balance_cap <= 1.0:
+        errors.append(f"--config.levers.balance_cap must be in (0, 1], got {lv.balance_cap}")
+    if lv.balance == "weights" and (min(lv.balance_weights.values(), default=0.0) < 0
+                                    or sum(lv.balance_weights.values()) <= 0):
+        errors.append("--config.levers.balance=weights needs --config.levers.balance_weights.<role> >= 0, not all 0")
+    if lv.balance != "none" and c.policy == "isolated":
+        errors.append(f"--config.levers.balance={lv.balance} balances roles that share a slot; under "
+                      "policy=isolated every slot holds one role: use --config.policy=shared or balance=none")
+    levers_on = lv.damping > 0 or lv.balance != "none" or lv.fanout != "none"
+    if levers_on and not (c.grpo.diagnostics and c.grpo.diagnostics_every == 1):
+        errors.append("levers act on the exact per-role gradients: set --config.grpo.diagnostics=True and "
+                      "--config.grpo.diagnostics_every=1 (or turn the levers off)")
     for k, v in c.rollout.max_new_tokens.items():
         if v < 1:
             errors.append(f"--config.rollout.max_new_tokens.{k} must be >= 1, got {v}")

@@ -120,6 +120,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     step: jax.Array
     skipped: jax.Array  # updates skipped for non-finite loss / gradients
+    grad_ema: Any = None  # [K, ...] EMA of each role's past gradient (levers.damping; None when off)
 
 
 def _tree_dot(a, b):
@@ -175,7 +176,8 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
 
 
 def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: optax.GradientTransformation,
-                    *, num_groups: int, group_slot, group_role, num_roles: int, role_slot, mesh=None, rules=None):
+                    *, num_groups: int, group_slot, group_role, num_roles: int, role_slot, mesh=None, rules=None,
+                    levers=None):
     """Build the jitted step. Group/role tables are static per workflow (host tuples).
 
     group_slot[g], group_role[g]: slot and role index of diagnostic group g; role_slot[k]: slot of role k.
@@ -307,6 +309,11 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             )
         else:
             grads = acc
+        new_ema = state.grad_ema
+        if levers is not None and levers.active:  # damping, fan-out, balancing (marl_jax.rl.levers)
+            from marl_jax.rl import levers as LV
+            grads, new_ema, metrics["levers"] = LV.apply(levers, role_g if ucfg.diagnostics else None,
+                                                         state.grad_ema, k_slot, S)
         from marl_jax.rl.optim import global_norm_per_slot
         metrics["slot_grad_norm"] = global_norm_per_slot(grads)
         if ucfg.metrics:  # combine micro-batches: sums add, maxima take the max
@@ -318,7 +325,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         new_tr = optax.apply_updates(state.trainable, updates)
         keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = TrainState(keep(new_tr, state.trainable), keep(new_opt, state.opt_state),
-                               state.step + 1, state.skipped + (~finite).astype(jnp.int32))
+                               state.step + 1, state.skipped + (~finite).astype(jnp.int32),
+                               keep(new_ema, state.grad_ema))
         metrics["finite"] = finite
         return new_state, metrics
 

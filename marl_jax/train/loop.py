@@ -19,7 +19,7 @@ import numpy as np
 
 from marl_jax.models.sharding import to_host
 from marl_jax.policy.sampling import PolicySampler
-from marl_jax.rl import optim
+from marl_jax.rl import levers as levers_lib, optim
 from marl_jax.rl.advantages import grpo_advantages, group_outcomes
 from marl_jax.rl.batch import make_batch, make_groups
 from marl_jax.rl.update import TrainState, UpdateConfig, init_state, make_train_step
@@ -77,19 +77,31 @@ def update_record(m: dict, roles, role_to_slot, copies) -> dict[str, float]:
                 out[f"{r}/entropy"] = float(st["entropy"][k]) / tok
             if "kl" in st:
                 out[f"{r}/kl"] = float(st["kl"][k]) / tok
+    if "levers" in m:
+        out.update(levers_lib.records(m["levers"], roles))
     slot_norm = _host(m["slot_grad_norm"])
     for s, v in enumerate(slot_norm):
         out[f"grad/slot{s}/norm"] = float(v)
     return out
 
 
-def validate_policy(rt: Runtime, trainable, key, step: int) -> dict[str, float]:
-    """pass@1 of the final answer on the held-out split (one episode per task)."""
+def validate_policy(rt: Runtime, trainable, key, step: int, workdir: str | None = None) -> dict[str, float]:
+    """pass@1 of the final answer on the held-out split: the mean over train.val_samples episodes per
+    task (sampled at train.val_temperature). With a workdir, each task's mean success is appended to
+    <workdir>/val_tasks.jsonl (paired comparisons between runs on the same tasks)."""
     c = rt.config
+    n = int(c.train.get("val_samples", 1))
     sample = PolicySampler(rt.sampler, rt.base, trainable, key, temperature=c.train.val_temperature,
                            top_p=c.rollout.top_p, top_k=c.rollout.top_k, stop_ids=tuple(rt.tokenizer.eos_token_ids))
-    res = run_episodes(rt.workflow, rt.val_tasks, 1, sample, rt.tokenizer, role_to_slot=rt.role_to_slot,
+    res = run_episodes(rt.workflow, rt.val_tasks, n, sample, rt.tokenizer, role_to_slot=rt.role_to_slot,
                        credit="broadcast", grade_fn=rt.grade_fn, max_new_tokens=rt.max_new_tokens())
+    if workdir is not None and jax.process_index() == 0:
+        per_task: dict[str, list[float]] = {}
+        for e in res.episodes:
+            per_task.setdefault(str(e.task.task_id), []).append(float(e.success))
+        with open(os.path.join(workdir, "val_tasks.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "samples": n, "temperature": float(c.train.val_temperature),
+                                "success": {t: float(np.mean(v)) for t, v in per_task.items()}}) + "\n")
     rec = {"step": step}
     for k, v in res.metrics.items():
         if k == "success" or k.endswith("/accuracy") or k in ("any_correct", "iterations", "items"):
@@ -116,7 +128,8 @@ class Trainer:
         g = config.grpo
         self.kl_coef = {r: float(g.kl_coef.get(r, 0.0)) for r in rt.roles}
         self.ucfg = UpdateConfig(clip_low=g.clip_low, clip_high=g.clip_high, dual_clip=g.dual_clip or None, agg=g.agg,
-                                 kl=any(v > 0 for v in self.kl_coef.values()), kl_estimator=g.kl_estimator,
+                                 kl=any(v > 0 for v in self.kl_coef.values()),
+                                 kl_estimator=levers_lib.kl_estimator(g.kl_estimator),
                                  entropy_coef=g.entropy_coef, old_logp=g.old_logp, micro_batch=g.micro_batch,
                                  max_len_norm=float(max(rt.max_new_tokens().values())),  # Dr. GRPO's constant
                                  diagnostics=g.diagnostics, metrics=g.metrics, remat=g.remat, dtype=rt.dtype)
@@ -129,13 +142,17 @@ class Trainer:
                       group_role=[rt.roles.index(r) for r in self.groups.role], num_roles=len(rt.roles),
                       role_slot=[rt.role_to_slot[r] for r in rt.roles])
         tables.update(mesh=rt.mesh, rules=rt.rules)  # shardings of the update program, from the rules
-        self.step_fn = make_train_step(rt.model.cfg, rt.spec, self.ucfg, self.tx, **tables)
+        self.levers = lever_config(config, rt.roles, parallel_copies(rt.workflow))
+        self.step_fn = make_train_step(rt.model.cfg, rt.spec, self.ucfg, self.tx, levers=self.levers, **tables)
         # Steps between diagnostics run the cheaper program (one backward pass instead of one per group).
         self.plain_step_fn = (make_train_step(rt.model.cfg, rt.spec, dataclasses.replace(self.ucfg, diagnostics=False),
                                               self.tx, **tables)
                               if g.diagnostics and g.diagnostics_every > 1 else self.step_fn)
         self.key = jax.random.PRNGKey(config.train.seed)
         self.state = rt.place(init_state(rt.init_trainable(jax.random.fold_in(self.key, 0)), self.tx))
+        if self.levers.damps:  # each role's gradient EMA, checkpointed with the state
+            self.state = self.state._replace(grad_ema=rt.place(levers_lib.init_ema(self.state.trainable,
+                                                                                   len(rt.roles))))
         self.data = task_batches(rt.train_tasks, batch_size=config.num_tasks, seed=config.train.seed)
         self.monitor = CliffMonitor(drop=config.train.cliff_drop, patience=config.train.cliff_patience)
         self.ckpt = Checkpointer(workdir, keep=config.train.keep_ckpts)
@@ -144,7 +161,7 @@ class Trainer:
         if latest is not None:
             state, meta = self.ckpt.restore(latest, template=self._ckpt_state())
             self.state = rt.place(TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
-                                             jnp.asarray(state["skipped"])))
+                                             jnp.asarray(state["skipped"]), state.get("grad_ema")))
             self.data.set_state(meta["data"])
             self.monitor.load_state(meta["cliff"])
             self.start_step = latest
@@ -155,7 +172,10 @@ class Trainer:
 
     def _ckpt_state(self):
         s = self.state
-        return {"trainable": s.trainable, "opt_state": s.opt_state, "step": s.step, "skipped": s.skipped}
+        out = {"trainable": s.trainable, "opt_state": s.opt_state, "step": s.step, "skipped": s.skipped}
+        if s.grad_ema is not None:
+            out["grad_ema"] = s.grad_ema
+        return out
 
     def _save(self, step: int, best: float | None):
         meta = {"data": self.data.get_state(), "cliff": self.monitor.state(), "config": self.c.to_dict()}
@@ -198,7 +218,7 @@ class Trainer:
         c, rt = self.c, self.rt
         steps = c.train.steps
         if self.start_step == 0:
-            val = validate_policy(rt, self.state.trainable, jax.random.fold_in(self.key, 10 ** 6), 0)
+            val = validate_policy(rt, self.state.trainable, jax.random.fold_in(self.key, 10 ** 6), 0, self.workdir)
             self.writer.write(val)
             self.monitor.update(0, val.get("val/success", 0.0))
         bar = _progress(self.start_step, steps, self.progress)
@@ -210,7 +230,7 @@ class Trainer:
                 best = None
                 if (step + 1) % c.train.val_every == 0 or step + 1 == steps:
                     val = validate_policy(rt, self.state.trainable,
-                                          jax.random.fold_in(self.key, 10 ** 6 + step + 1), step + 1)
+                                          jax.random.fold_in(self.key, 10 ** 6 + step + 1), step + 1, self.workdir)
                     self.writer.write(val)
                     best = val.get("val/success", 0.0)
                     rec.update(val)
@@ -241,7 +261,7 @@ class Trainer:
             best = self.ckpt.best_step()
             state, _ = self.ckpt.restore(best, template=self._ckpt_state())
             self.state = rt.place(TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
-                                             jnp.asarray(state["skipped"])))
+                                             jnp.asarray(state["skipped"]), state.get("grad_ema")))
             out["restored_step"] = best
         if jax.process_index() == 0:
             if self.c.train.plots:
@@ -250,6 +270,18 @@ class Trainer:
                 out["table"] = summary_table(recs, list(self.rt.roles))
         self.ckpt.close()
         return out
+
+
+def lever_config(config, roles, copies: dict[str, int]) -> levers_lib.LeverConfig:
+    """The update's levers from config.levers (absent in older configs: all off)."""
+    lv = config.get("levers")
+    if lv is None:
+        return levers_lib.LeverConfig()
+    weights = lv.get("balance_weights") or {}
+    return levers_lib.LeverConfig(
+        damping=float(lv.damping), damping_window=int(lv.damping_window), fanout=lv.fanout, balance=lv.balance,
+        balance_weights=tuple(float(weights.get(r, 1.0)) for r in roles), balance_cap=float(lv.balance_cap),
+        copies=tuple(int(copies.get(r, 1)) for r in roles))
 
 
 def check_resume_config(workdir: str, config, allow_change: bool = False) -> list[tuple[str, object, object]]:
