@@ -17,14 +17,17 @@ from marl_jax.models.tiny import tiny_model  # noqa: E402
 from marl_jax.train.loop import Trainer  # noqa: E402
 
 
-def main(workdir: str, prompt_dir: str, policy: str, steps: int):
+def main(workdir: str, prompt_dir: str, policy: str, steps: int, levers: str = ""):
     enable_compilation_cache()
     c = learning_config(policy, prompt_dir)
     c.train.update(steps=steps, val_every=2, ckpt_every=2)
     c.grpo.diagnostics_every = 1
+    for kv in filter(None, levers.split(",")):  # e.g. "damping=0.3,damping_window=4"
+        k, v = kv.split("=")
+        c.levers[k] = type(c.levers[k])(v)
     Trainer(c, workdir, model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(220), progress=False).run()
     print(json.dumps({"done": True}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])

@@ -213,3 +213,54 @@ def test_config_keys_validate_and_build_the_levers():
     assert LV.kl_estimator("low_var") == "k3"
     with pytest.raises(ValueError, match="kl_estimator"):
         LV.kl_estimator("k2")
+
+
+@pytest.mark.slow
+def test_damping_ema_survives_a_kill_and_resume(prompt_dir, tmp_path):
+    """SIGKILL part-way, restart on the same workdir: metrics (damping factors included), parameters and
+    each role's gradient EMA are those of the uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from marl_jax.train.checkpoint import Checkpointer
+    from marl_jax.train.loop import TIMING_KEYS
+    from marl_jax.train.metrics import read_metrics
+
+    steps, levers = 6, "damping=0.3,damping_window=4"
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = lambda wd: [sys.executable, os.path.join(here, "resume_driver.py"), str(wd), prompt_dir, "shared",
+                      str(steps), levers]
+    ref, cut = tmp_path / "uninterrupted", tmp_path / "killed"
+    subprocess.run(cmd(ref), check=True, capture_output=True, timeout=900)
+    proc = subprocess.Popen(cmd(cut), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        done = Checkpointer(str(cut), read_only=True).all_steps() if (cut / "checkpoints").exists() else []
+        later = [r["step"] for r in read_metrics(str(cut))] if (cut / "metrics.jsonl").exists() else []
+        if done and 2 <= max(done) < steps and max(later, default=0) > max(done):
+            break
+        if proc.poll() is not None:
+            pytest.fail("the run finished before it could be killed; lengthen it")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(r["step"] for r in read_metrics(str(cut))) < steps
+    subprocess.run(cmd(cut), check=True, capture_output=True, timeout=900)
+
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in recs]
+    a, b = strip(read_metrics(str(ref))), strip(read_metrics(str(cut)))
+    assert a == b
+    factors = [r[k] for r in a for k in r if k.endswith("/damping_factor")]
+    assert factors and min(factors) < 1.0  # damping acted after the first step
+    with Checkpointer(str(ref), read_only=True) as ck:
+        sa, _ = ck.restore(steps)
+    with Checkpointer(str(cut), read_only=True) as ck:
+        sb, _ = ck.restore(steps)
+    assert "grad_ema" in sa
+    ema = np.concatenate([np.asarray(x).ravel() for x in jax.tree_util.tree_leaves(sa["grad_ema"])])
+    assert np.abs(ema).max() > 0
+    for x, y in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

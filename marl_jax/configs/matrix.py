@@ -7,6 +7,10 @@ Presets:
              --matrix.model_dir=/ckpts (holding Qwen3-0.6B/ ...) and --matrix.data_dir=/data.
   cpu-small  the same three workflows x {shared, isolated} on the embedded SmolLM2-135M (one-digit sums),
              plus single_agent and base: 8 cells for 2 CPU cores in about an hour. Cell size: CPU_SMALL below.
+  levers     the levers of marl_jax/rl/levers.py where their mechanism applies: {voting, orch_workers} x
+             Shared {baseline, balance (equal gradient-mass shares), fanout (1/k), damping (lambda 0.3)} +
+             Isolated {baseline, damping} x seeds 0, 1, 2 on the cpu-small cell, validated at temperature
+             0.7 with 2 samples on each of 64 tasks at steps 0 and 6: 36 cells, about 12 minutes each here.
 
 Any field can be overridden: --matrix.seeds=0,1,2  --matrix.workflows=voting,eval_opt  --matrix.base=false
 --matrix.overrides.train.steps=16 (keys already in the preset's overrides; launch/sweep.py --set=key=value adds others).
@@ -26,6 +30,17 @@ CPU_SMALL = {
 }
 
 
+# Validation for error bars: pass@1 as the mean of 2 samples at T=0.7 on each of 64 held-out tasks.
+LEVERS_CELL = {**CPU_SMALL, "train.val_every": 6, "train.ckpt_every": 6, "task.val_size": 64,
+               "train.val_temperature": 0.7, "train.val_samples": 2, "grpo.diagnostics_every": 1}
+LEVERS = {  # variant -> (policies, overrides)
+    "baseline": (("shared", "isolated"), {}),
+    "balance": (("shared",), {"levers.balance": "equal"}),
+    "fanout": (("shared",), {"levers.fanout": "inverse"}),
+    "damping": (("shared", "isolated"), {"levers.damping": 0.3, "levers.damping_window": 4}),
+}
+
+
 def get_config(arg: str = "cpu-small"):
     arg = arg or "cpu-small"
     if arg == "paper":
@@ -34,4 +49,9 @@ def get_config(arg: str = "cpu-small"):
     if arg == "cpu-small":
         return matrix_config(preset="cpu", workflows=MULTI_AGENT, policies=("shared", "isolated"), tasks=("math",),
                              models=("smollm2-135m",), seeds=(0,), overrides=CPU_SMALL)
-    raise ValueError(f"configs/matrix.py: unknown preset {arg!r}; use configs/matrix.py:paper or configs/matrix.py:cpu-small")
+    if arg == "levers":
+        return matrix_config(preset="cpu", workflows=("voting", "orch_workers"), policies=("shared", "isolated"),
+                             tasks=("math",), models=("smollm2-135m",), seeds=(0, 1, 2), single_agent=False,
+                             base=False, overrides=LEVERS_CELL, variants=LEVERS)
+    raise ValueError(f"configs/matrix.py: unknown preset {arg!r}; use configs/matrix.py:paper, "
+                     "configs/matrix.py:cpu-small or configs/matrix.py:levers")

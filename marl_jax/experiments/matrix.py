@@ -52,6 +52,7 @@ class Cell:
     kind: str  # "train" | "base" (validation of the untrained model: train.steps=0)
     overrides: Mapping[str, Any]  # dotted config key -> value, passed as --config.<key>=<value>
     config_arg: str = ""
+    variant: str = ""  # name of the matrix variant (e.g. a lever setting); "" without variants
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -92,7 +93,9 @@ def matrix_config(*, preset: str = "reference", workflows: Sequence[str] = ("eva
                   policies: Sequence[str] = POLICIES, tasks: Sequence[str] = TASKS,
                   models: Sequence[str] = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"), seeds: Sequence[int] = (0,),
                   single_agent: bool = True, base: bool = True, model_dir: str = "", data_dir: str = "",
-                  overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+                  overrides: Mapping[str, Any] | None = None,
+                  variants: Mapping[str, tuple[Sequence[str], Mapping[str, Any]]] | None = None
+                  ) -> ml_collections.ConfigDict:
     """A matrix ConfigDict. Axes are tuples (overridable as `--matrix.seeds=0,1`); `overrides` is a flat
     {"train.steps": 8} dict applied to every cell (stored nested: `--matrix.overrides.train.steps=16`).
 
@@ -109,6 +112,9 @@ def matrix_config(*, preset: str = "reference", workflows: Sequence[str] = ("eva
     m.model_dir = model_dir
     m.data_dir = data_dir
     m.overrides = nest(dict(overrides or {}))
+    if variants:  # name -> (policies it runs under, flat overrides): one cell per variant per policy
+        m.variants = ml_collections.ConfigDict({
+            name: dict(policies=tuple(pols), overrides=nest(dict(ov))) for name, (pols, ov) in variants.items()})
     return m
 
 
@@ -192,8 +198,16 @@ def cells_from(m: ml_collections.ConfigDict, extra_overrides: Mapping[str, Any] 
                 runs = [("single_agent", "shared")] if m.single_agent else []
                 runs += [(wf, p) for wf in ax["workflows"] for p in ax["policies"]
                          if wf != "single_agent" or p == "shared"]  # one role: isolated == shared
+                variants = m.get("variants") or {"": None}
+                variants = {k: variants[k] for k in sorted(variants, key=lambda k: k != "baseline")}  # baseline first
                 for wf, p in dict.fromkeys(runs):
-                    cells.append(Cell(f"{wf}-{p}-{task}-{model}-s{seed}", wf, p, kind="train", overrides=ov, **common))
+                    for vname, v in variants.items():
+                        if v is not None and (p not in _axis(v, "policies") or wf == "single_agent"):
+                            continue
+                        vov = {**ov, **flatten(v.overrides)} if v is not None else ov
+                        vpart = f"-{vname}" if vname else ""
+                        cells.append(Cell(f"{wf}-{p}{vpart}-{task}-{model}-s{seed}", wf, p, kind="train",
+                                          overrides=vov, variant=vname, **common))
     names = [c.name for c in cells]
     if len(set(names)) != len(names):  # cannot happen with checked axes; guards later edits
         raise ValueError(f"duplicate cell names: {sorted({n for n in names if names.count(n) > 1})}")
