@@ -322,3 +322,76 @@ def test_pages_of_small_multiples(sweep, summaries, monkeypatch):
                   grad_figures(cells, rows_, "share")):
         assert [len(drawn) for _, drawn in pages] == [5, 3]
         assert [len(fig.axes) for fig, _ in pages][1] == 3
+
+
+# -- levers report: bootstrap intervals and paired differences ---------------------------------------------
+
+def test_bootstrap_mean_matches_the_normal_interval_and_degenerates_on_constants():
+    from marl_jax.experiments.report import bootstrap_mean
+
+    x = np.tile([0.0, 1.0], 200)[None]  # one seed, 400 tasks, p = 0.5: standard error 0.025
+    m, lo, hi = bootstrap_mean(x, n_boot=4000)
+    assert m == 0.5
+    np.testing.assert_allclose([lo, hi], [0.5 - 1.96 * 0.025, 0.5 + 1.96 * 0.025], atol=0.006)
+    assert bootstrap_mean(np.full((3, 10), 0.25)) == (0.25, 0.25, 0.25)
+    # two seeds that disagree entirely: resampling seeds spreads the interval over [0, 1]
+    m, lo, hi = bootstrap_mean(np.stack([np.zeros(50), np.ones(50)]), n_boot=2000)
+    assert m == 0.5 and lo == 0.0 and hi == 1.0
+    with pytest.raises(ValueError, match="seeds, tasks"):
+        bootstrap_mean(np.zeros(5))
+
+
+def _lever_cell(root, name, variant, seed, val, finished=True, shares=None):
+    wd = os.path.join(root, name)
+    os.makedirs(wd)
+    with open(os.path.join(wd, "cell.json"), "w") as f:
+        json.dump({"name": name, "workflow": "voting", "policy": "shared", "task": "math", "model": "smollm2-135m",
+                   "seed": seed, "kind": "train", "overrides": {"train.steps": 2}, "variant": variant}, f)
+    with open(os.path.join(wd, "config.json"), "w") as f:
+        json.dump({"workflow": "voting", "policy": "shared", "train": {"steps": 2, "seed": seed}}, f)
+    recs = []
+    for step in (1, 2):
+        r = {"step": step, "loss": 0.1, "success": 0.5 * step / 2, "grad/slot0/norm": 0.1 * step,
+             "grad/generator/share": 0.8, "grad/aggregator/share": 0.2, "skipped_updates": 0}
+        r.update(shares or {})
+        recs.append(r)
+    with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    with open(os.path.join(wd, "val_tasks.jsonl"), "w") as f:
+        for step, succ in val.items():
+            f.write(json.dumps({"step": step, "samples": 2, "temperature": 0.7, "success": succ}) + "\n")
+    if finished:
+        open(os.path.join(wd, "summary.md"), "w").close()
+
+
+def test_levers_report_pairs_variants_with_the_baseline_on_the_same_seeds_and_tasks(tmp_path):
+    from marl_jax.experiments.report import write_levers_report
+
+    root = tmp_path / "levers"
+    tasks = [f"t{i}" for i in range(4)]
+    base = {0: [0.5, 0.5, 0.0, 1.0], 1: [0.0, 0.5, 0.5, 1.0]}
+    bal = {0: [1.0, 0.5, 0.5, 1.0], 1: [0.5, 0.5, 0.5, 1.0]}  # +0.25 and +0.125 per task on average
+    for s in (0, 1):
+        _lever_cell(root, f"base-s{s}", "baseline", s, {0: dict(zip(tasks, [0.5] * 4)), 2: dict(zip(tasks, base[s]))})
+        _lever_cell(root, f"bal-s{s}", "balance", s, {0: dict(zip(tasks, [0.5] * 4)), 2: dict(zip(tasks, bal[s]))},
+                    shares={"lever/generator/share_before": 0.8, "lever/generator/share_after": 0.5,
+                            "lever/aggregator/share_before": 0.2, "lever/aggregator/share_after": 0.5})
+    _lever_cell(root, "bal-s2", "balance", 2, {0: dict(zip(tasks, [0.5] * 4))}, finished=False)
+    res = write_levers_report(root, tmp_path / "out", n_boot=500)
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert [r["variant"] for r in res["rows"]] == ["baseline", "balance"]
+    np.testing.assert_allclose(rows["baseline"]["final"][0], np.mean(base[0] + base[1]))
+    np.testing.assert_allclose(rows["balance"]["vs_baseline"][0], (0.25 + 0.125) / 2)
+    np.testing.assert_allclose(rows["balance"]["delta_step0"][0], np.mean(bal[0] + bal[1]) - 0.5)
+    lo, hi = rows["balance"]["vs_baseline"][1:]
+    assert lo <= 0.1875 <= hi and lo >= 0.0  # every paired difference is >= 0
+    assert rows["balance"]["seeds"] == [0, 1] and res["unfinished"] == ["bal-s2"]
+    gen = [e for e in res["roles"] if e["variant"] == "balance" and e["role"] == "generator"][0]
+    assert (gen["share_before"], gen["share_after"]) == (0.8, 0.5)
+    text = open(res["readme"]).read()
+    assert "| voting | shared | balance | 0,1 | 4 |" in text and "`bal-s2`" in text
+    # the module's command line writes the same report
+    out = tmp_path / "cli"
+    subprocess.run([sys.executable, "-m", "marl_jax.experiments.report", "levers", f"--root={root}", f"--out={out}"],
+                   check=True, cwd=REPO, capture_output=True)
+    assert json.load(open(out / "levers.json"))["unfinished"] == ["bal-s2"]

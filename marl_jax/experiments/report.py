@@ -770,3 +770,169 @@ def write_report(root: str | os.PathLike, out: str | os.PathLike, *, base_from: 
     files.append("README.md")
     return {"readme": readme, "files": files, "summaries": summaries, "pairs": pairs,
             "missing": [s["name"] for s in missing]}
+
+
+# -- error bars: bootstrap over tasks and seeds, paired differences ----------------------------------
+
+def load_val_tasks(workdir: str | os.PathLike) -> dict[int, dict[str, float]]:
+    """``<workdir>/val_tasks.jsonl`` (written by the trainer's validation): step -> {task id: mean success
+    over its samples}; the last record of a step wins (a resumed run repeats it)."""
+    path = os.path.join(os.fspath(workdir), "val_tasks.jsonl")
+    out: dict[int, dict[str, float]] = {}
+    if not os.path.isfile(path):
+        return out
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                out[int(r["step"])] = {str(k): float(v) for k, v in r["success"].items()}
+    return out
+
+
+def bootstrap_mean(x: np.ndarray, *, n_boot: int = 4000, level: float = 0.95, seed: int = 0
+                   ) -> tuple[float, float, float]:
+    """Mean of x [seeds, tasks] and its percentile bootstrap interval, resampling seeds and tasks (the same
+    task draw for every seed, as the tasks are shared). With one seed only tasks are resampled."""
+    x = np.asarray(x, np.float64)
+    if x.ndim != 2 or x.size == 0:
+        raise ValueError(f"bootstrap_mean needs a [seeds, tasks] array, got shape {x.shape}")
+    rng = np.random.default_rng(seed)
+    S, T = x.shape
+    si = rng.integers(0, S, (n_boot, S)) if S > 1 else np.zeros((n_boot, 1), int)
+    ti = rng.integers(0, T, (n_boot, T))
+    means = np.array([x[s][:, t].mean() for s, t in zip(si, ti)])
+    a = (1 - level) / 2
+    return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def _variant(cell: Cell) -> str:
+    cj, _ = _read_json(os.path.join(cell.workdir, "cell.json"))
+    return str((cj or {}).get("variant") or "")
+
+
+def _matrix(per_seed: Mapping[int, Mapping[str, float]], seeds: Sequence[int], tasks: Sequence[str]) -> np.ndarray:
+    return np.array([[per_seed[s][t] for t in tasks] for s in seeds])
+
+
+def levers_summary(root: str | os.PathLike, *, baseline: str = "baseline", n_boot: int = 4000
+                   ) -> dict[str, Any]:
+    """Per (workflow, policy, variant): final validation pass@1 with a bootstrap CI over seeds and tasks,
+    its change from step 0, and the paired difference to the baseline variant on the same seeds and tasks;
+    per role, the mean gradient shares before and after the levers; stability numbers from the metrics.
+
+    Only finished cells count (their last validation is at their last planned step)."""
+    cells = [c for c in load_cells(root) if c.kind == "train" and c.problem is None]
+    groups: dict[tuple[str, str, str], dict[int, Cell]] = {}
+    unfinished = []
+    for c in cells:
+        if not c.finished or c.seed is None:
+            unfinished.append(c.name)
+            continue
+        groups.setdefault((c.workflow, c.policy, _variant(c)), {})[c.seed] = c
+    rows, roles_out = [], []
+    for key in sorted(groups, key=lambda k: (_workflow_rank(k[0]), k[1] != "shared", k[2] != baseline, k[2])):
+        wf, pol, var = key
+        by_seed = groups[key]
+        val = {s: load_val_tasks(c.workdir) for s, c in by_seed.items()}
+        seeds = sorted(s for s in val if val[s])
+        if not seeds:
+            unfinished += [c.name for c in by_seed.values()]
+            continue
+        final = {s: val[s][max(val[s])] for s in seeds}
+        first = {s: val[s][min(val[s])] for s in seeds}
+        tasks = sorted(set.intersection(*(set(final[s]) for s in seeds)))
+        row = {"workflow": wf, "policy": pol, "variant": var, "seeds": seeds, "tasks": len(tasks),
+               "final_step": {s: max(val[s]) for s in seeds}}
+        row["final"] = bootstrap_mean(_matrix(final, seeds, tasks), n_boot=n_boot)
+        row["delta_step0"] = bootstrap_mean(_matrix(final, seeds, tasks) - _matrix(first, seeds, tasks),
+                                            n_boot=n_boot)
+        base = groups.get((wf, pol, baseline))
+        if var != baseline and base:
+            bval = {s: load_val_tasks(base[s].workdir) for s in base}
+            common = [s for s in seeds if bval.get(s)]
+            if common:
+                bfin = {s: bval[s][max(bval[s])] for s in common}
+                ct = sorted(set(tasks).intersection(*(set(bfin[s]) for s in common)))
+                d = _matrix(final, common, ct) - _matrix(bfin, common, ct)
+                row["vs_baseline"] = bootstrap_mean(d, n_boot=n_boot)
+                row["vs_baseline_seeds"] = common
+        # shares, damping and stability from the training metrics
+        train = [r for c in by_seed.values() for r in c.records if "loss" in r]
+        row["skipped_updates"] = max((int(r.get("skipped_updates", 0)) for r in train), default=0)
+        row["train_success_last3"] = float(np.mean([r["success"] for c in by_seed.values()
+                                                    for r in [x for x in c.records if "loss" in x][-3:]
+                                                    if "success" in r])) if train else None
+        norms = [v for r in train for k, v in r.items() if k.startswith("grad/slot") and k.endswith("/norm")]
+        row["max_slot_grad_norm"] = float(max(norms)) if norms else None
+        rows.append(row)
+        roles = sorted({k.split("/")[1] for r in train for k in r if k.startswith("grad/") and k.endswith("/share")
+                        and not k.startswith("grad/cos")})
+        for role in roles:
+            pick = lambda name: [r[name] for r in train if name in r]
+            before = pick(f"lever/{role}/share_before") or pick(f"grad/{role}/share")
+            entry = {"workflow": wf, "policy": pol, "variant": var, "role": role,
+                     "share_before": float(np.mean(before)) if before else None,
+                     "share_after": float(np.mean(pick(f"lever/{role}/share_after")))
+                     if pick(f"lever/{role}/share_after") else None,
+                     "norm_share_before": float(np.mean(pick(f"lever/{role}/norm_share_before") or
+                                                        pick(f"grad/{role}/norm_share") or [np.nan])),
+                     "norm_share_after": float(np.mean(pick(f"lever/{role}/norm_share_after")))
+                     if pick(f"lever/{role}/norm_share_after") else None,
+                     "damping_factor": float(np.mean(pick(f"lever/{role}/damping_factor")))
+                     if pick(f"lever/{role}/damping_factor") else None}
+            roles_out.append(entry)
+    return {"rows": rows, "roles": roles_out, "unfinished": sorted(set(unfinished))}
+
+
+def _ci(t: tuple[float, float, float] | None, signed: bool = False) -> str:
+    if t is None:
+        return "-"
+    return f"{_fmt(t[0], signed)} [{_fmt(t[1], signed)}, {_fmt(t[2], signed)}]"
+
+
+def write_levers_report(root: str | os.PathLike, out: str | os.PathLike, **kw: Any) -> dict[str, Any]:
+    """``<out>/README.md`` and ``<out>/levers.json`` from :func:`levers_summary`."""
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    res = levers_summary(root, **kw)
+    with open(os.path.join(out, "levers.json"), "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1, default=lambda o: list(o) if isinstance(o, tuple) else str(o))
+    md = [f"# Levers: `{os.fspath(root)}`", "",
+          "Validation pass@1 = mean success over the samples of each task (temperature and samples per task "
+          "as the cells ran them), averaged over tasks and seeds; brackets: 95% percentile bootstrap interval "
+          "resampling seeds and tasks together. *vs baseline*: paired difference to the baseline variant of "
+          "the same workflow and policy on the same seeds and tasks. *Δ step 0*: final minus the same run's "
+          "step-0 validation (paired by task).", "",
+          _md(["workflow", "policy", "variant", "seeds", "tasks", "final pass@1", "Δ step 0", "vs baseline",
+               "train success (last 3)", "max slot grad norm", "skipped"],
+              [(r["workflow"], r["policy"], r["variant"], ",".join(map(str, r["seeds"])), r["tasks"],
+                _ci(r["final"]), _ci(r["delta_step0"], True), _ci(r.get("vs_baseline"), True),
+                _fmt(r["train_success_last3"]), _fmt(r["max_slot_grad_norm"]), r["skipped_updates"])
+               for r in res["rows"]]),
+          "## Role shares of the update (mean over steps and seeds)", "",
+          "*share*: projection share <g_role, g_slot> / |g_slot|^2 of the role's gradient; *norm share*: "
+          "|g_role| / sum of the slot's |g_role|; before / after the levers (after = before without levers).", "",
+          _md(["workflow", "policy", "variant", "role", "share before", "share after", "norm share before",
+               "norm share after", "damping factor"],
+              [(e["workflow"], e["policy"], e["variant"], e["role"], _fmt(e["share_before"]), _fmt(e["share_after"]),
+                _fmt(e["norm_share_before"]), _fmt(e["norm_share_after"]), _fmt(e["damping_factor"]))
+               for e in res["roles"]]),
+          "## Cells not counted (unfinished or without per-task validation)", ""]
+    md += [f"- `{n}`" for n in res["unfinished"]] or ["None."]
+    readme = os.path.join(out, "README.md")
+    with open(readme, "w", encoding="utf-8") as f:
+        f.write("\n".join(md) + "\n")
+    res["readme"] = readme
+    return res
+
+
+if __name__ == "__main__":  # python -m marl_jax.experiments.report levers --root=runs/levers --out=docs/results/levers
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Levers report with bootstrap intervals and paired differences.")
+    ap.add_argument("what", choices=["levers"])
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    r = write_levers_report(a.root, a.out)
+    print(f"{len(r['rows'])} groups, {len(r['unfinished'])} cells not counted: {r['readme']}")
