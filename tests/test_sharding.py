@@ -175,3 +175,16 @@ def test_loading_places_each_weight_into_its_sharding(report):
     assert g["max_diff"] == 0.0
     assert g["wq_spec"] == [None, "fsdp", "model"] and g["wq_shard"] == [30, 288, 288]
     assert g["peak"] <= 2.5 * g["largest"] and g["peak"] < 0.5 * g["total"], g
+
+
+def test_config_names_bad_mesh_settings():
+    from marl_jax.config import validate
+    from marl_jax.configs import get_config
+
+    c = get_config("voting")
+    c.mesh.rules = "fsdp_tp;embed=tensor"
+    c.mesh.fsdp = 0
+    with pytest.raises(ValueError) as e:
+        validate(c)
+    assert "--config.mesh.rules" in str(e.value) and "unknown mesh axis" in str(e.value)
+    assert "--config.mesh.fsdp must be >= 1" in str(e.value)
