@@ -13,7 +13,12 @@ timed wall. The timed rollout's wall time is split into sampler (inside the jitt
 prefill and decode shown separately), glue (prompt rendering, tokenising, parsing, credit, grouping)
 and reward (grading). The persistent XLA cache is not enabled here, so compile time is a cold compile.
 The last lines are a compact table and the absolute numbers, one line per
-workflow: `<workflow> episodes_per_s=... total_s=... sampler_s=... glue_s=... reward_s=... compile_s=...`.
+workflow: `<workflow> episodes_per_s=... total_s=... sampler_s=... glue_s=... reward_s=... compile_s=...`,
+with `prefill_tokens_per_ep` (prompt tokens computed per episode) and `cached_tokens_per_ep` (prompt tokens
+loaded from the sampler's prefix cache instead).
+
+--prefix_cache=both runs every workflow twice, without the sampler's prefix cache (every prompt prefilled,
+as before it existed) and with it, and prints `speedup=` of episodes/s between the two.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=0, help="every role's cap (0: the config's)")
     p.add_argument("--policy", default="shared", choices=("shared", "isolated"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix_cache", default="on", choices=("on", "off", "both"),
+                   help="the sampler's prefix cache across calls; both: each workflow without, then with it")
     args = p.parse_args(argv)
     args.workflows = [w.strip() for w in args.workflows.split(",") if w.strip()]
     bad = [w for w in args.workflows if w not in WORKFLOWS]
@@ -53,7 +60,7 @@ def load_config(workflow: str):
     return module.get_config("")
 
 
-def bench_one(workflow: str, args, model, tasks) -> dict:
+def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True) -> dict:
     """Warm-up then timed rollout of one workflow; returns the numbers of the timed one."""
     import jax
 
@@ -68,6 +75,8 @@ def bench_one(workflow: str, args, model, tasks) -> dict:
         for r in cfg.rollout.max_new_tokens:
             cfg.rollout.max_new_tokens[r] = args.max_new_tokens
     rt = build(cfg, model=model, tasks=tasks)
+    if not prefix_cache:
+        rt.sampler.prefix_cache = None
     batch = rt.train_tasks[: args.num_tasks]
     key_init, key_sample = jax.random.split(jax.random.key(args.seed))
     trainable = rt.init_trainable(key_init)
@@ -85,10 +94,12 @@ def bench_one(workflow: str, args, model, tasks) -> dict:
     n_ep = len(res.episodes)
     tokens = sum(x["tokens"] for x in c)
     out = dict(
-        workflow=workflow, episodes=n_ep, rows=len(res.rows), calls=len(c), tokens=tokens,
+        workflow=workflow + ("" if prefix_cache else "(no cache)"), episodes=n_ep, rows=len(res.rows), calls=len(c), tokens=tokens,
         total_s=t["total_s"], sampler_s=t.get("sampler_s", 0.0), glue_s=t.get("glue_s", 0.0),
         reward_s=t.get("reward_s", 0.0), prefill_s=sum(x.get("prefill_s", 0.0) for x in c),
-        decode_s=sum(x.get("decode_s", 0.0) for x in c), warmup_s=walls[0], compile_s=max(walls[0] - walls[1], 0.0),
+        decode_s=sum(x.get("decode_s", 0.0) for x in c),
+        prefill_tokens_per_ep=sum(x.get("prefill_tokens", 0) for x in c) / n_ep,
+        cached_tokens_per_ep=sum(x.get("cached_tokens", 0) for x in c) / n_ep, warmup_s=walls[0], compile_s=max(walls[0] - walls[1], 0.0),
         success=res.metrics.get("success", float("nan")),
         stages={x["stage"]: (x["rows"], x.get("prefill_rows", x["rows"]), x["tokens"], x["seconds"]) for x in c},
         same_rows=[r.completion_tokens for r in results[0].rows] == [r.completion_tokens for r in res.rows],
@@ -116,12 +127,13 @@ def main(argv=None):
           f"({os.cpu_count()} CPUs)", flush=True)
 
     rows = []
-    for wf in args.workflows:
-        r = bench_one(wf, args, model, tasks)
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.prefix_cache]
+    for wf, pc in ((w, m) for w in args.workflows for m in modes):
+        r = bench_one(wf, args, model, tasks, prefix_cache=pc)
         rows.append(r)
         stages = ", ".join(f"{k}: {n} rows ({u} prefilled) {tok} tok {s:.1f}s"
                            for k, (n, u, tok, s) in r["stages"].items())
-        print(f"{wf}: warm-up {r['warmup_s']:.1f}s, timed {r['total_s']:.1f}s, success {r['success']:.2f}, "
+        print(f"{r['workflow']}: warm-up {r['warmup_s']:.1f}s, timed {r['total_s']:.1f}s, success {r['success']:.2f}, "
               f"replay identical: {r['same_rows']}; {stages}", flush=True)
 
     head = (f"{'workflow':<14}{'ep':>4}{'calls':>6}{'tokens':>7}{'ep/s':>7}{'total s':>9}{'sampler':>14}"
@@ -138,7 +150,14 @@ def main(argv=None):
         print(f"{r['workflow']} episodes_per_s={r['episodes_per_s']:.4f} total_s={r['total_s']:.3f} "
               f"sampler_s={r['sampler_s']:.3f} prefill_s={r['prefill_s']:.3f} decode_s={r['decode_s']:.3f} "
               f"glue_s={r['glue_s']:.4f} reward_s={r['reward_s']:.4f} compile_s={r['compile_s']:.1f} "
-              f"tokens={r['tokens']}")
+              f"tokens={r['tokens']} prefill_tokens_per_ep={r['prefill_tokens_per_ep']:.1f} "
+              f"cached_tokens_per_ep={r['cached_tokens_per_ep']:.1f}")
+    if args.prefix_cache == "both":
+        for off, on in zip(rows[::2], rows[1::2]):
+            print(f"{on['workflow']} prefix cache: episodes_per_s {off['episodes_per_s']:.3f} -> {on['episodes_per_s']:.3f} "
+                  f"speedup={on['episodes_per_s'] / off['episodes_per_s']:.2f}, prefill tokens per episode "
+                  f"{off['prefill_tokens_per_ep']:.0f} -> {on['prefill_tokens_per_ep']:.0f}, same rows: "
+                  f"{off['same_rows'] and on['same_rows']}")
 
 
 if __name__ == "__main__":

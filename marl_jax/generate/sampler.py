@@ -64,7 +64,7 @@ class DecodeState(NamedTuple):
     cache: KVCache
     token: jax.Array  # [B] last sampled token (not yet in the cache)
     pos: jax.Array  # [B] position of `token`
-    step: jax.Array  # scalar: tokens generated so far by every live row
+    step: jax.Array  # [B] tokens generated so far by each row
     active: jax.Array  # [B] row still generating
     out_tokens: jax.Array  # [B, Tn]
     out_logp: jax.Array  # [B, Tn]
@@ -144,7 +144,9 @@ def _shared_prefix_len(prompts: Sequence[Sequence[int]], minimum: int = 16) -> i
 
 
 def _row_keys(key, row_id, step):
-    return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(row_id)
+    """A key per row from (row id, token index); step is a scalar or one index per row."""
+    step = jnp.broadcast_to(step, row_id.shape)
+    return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(key, r), t))(row_id, step)
 
 
 
@@ -172,6 +174,7 @@ class PrefixCache:
         self.nodes: collections.OrderedDict = collections.OrderedDict()  # (parent node, tokens) -> (node, block), LRU first
         self.free = list(range(self.num_blocks))
         self._next_node = 0
+        self.pinned: set = set()  # blocks a running call will still load: never evicted meanwhile
 
     def bind(self, *objs):
         """Empty the cache unless these (the params and trainable objects) are the ones it was filled with."""
@@ -201,15 +204,17 @@ class PrefixCache:
 
     def reserve(self, slot: int, tokens: Sequence[int], taken: set) -> list[tuple[int, int]]:
         """(token start, block) for each full block of `tokens` not cached yet, evicting least recently used
-        blocks; `taken` holds blocks this store walked through, which are never evicted (the store stops)."""
+        blocks; `taken` holds blocks this store walked through, which, like pinned ones, are never evicted
+        (the store stops when nothing else is left)."""
         parent, new, keys = ("slot", slot), [], []
         for i in range(len(tokens) // self.block):
             key = (parent, tuple(tokens[i * self.block:(i + 1) * self.block]))
             hit = self.nodes.get(key)
             if hit is None:
                 if not self.free:
-                    victim = next(iter(self.nodes))
-                    if self.nodes[victim][1] in taken:
+                    victim = next((k for k, (_, b) in self.nodes.items() if b not in taken and b not in self.pinned),
+                                  None)
+                    if victim is None:
                         break
                     self.free.append(self.nodes.pop(victim)[1])
                 hit = (self._next_node, self.free.pop())
@@ -247,7 +252,7 @@ class Sampler:
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
-                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16):
+                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
@@ -259,6 +264,7 @@ class Sampler:
         self.mesh = mesh
         self.rules = rules  # logical axis rules (marl_jax.models.sharding); None: the default table
         self.compaction = compaction
+        self.continuous = continuous
         self.share_prefix = share_prefix
         self.data_size = sharding.row_count(mesh)  # rows are split over data x fsdp
         self.min_batch = max(min_batch, self.data_size)
@@ -324,8 +330,8 @@ class Sampler:
             active = (row_id >= 0) & ~jnp.isin(tok, jnp.asarray(sp.stop_ids or (-1,), jnp.int32)) & (max_len > 1)
             out_tokens = jnp.full((B, out_len), self.pad_id, jnp.int32).at[:, 0].set(tok)
             out_logp = jnp.zeros((B, out_len), jnp.float32).at[:, 0].set(lp)
-            state = DecodeState(cache, tok, positions[:, -1] + 1, jnp.int32(1), active, out_tokens, out_logp,
-                                row_id, max_len)
+            state = DecodeState(cache, tok, positions[:, -1] + 1, jnp.ones(B, jnp.int32), active, out_tokens,
+                                out_logp, row_id, max_len)
             return self._constrain(state)
 
         fn = jax.jit(prefill)
@@ -340,15 +346,21 @@ class Sampler:
         stops = jnp.asarray(sp.stop_ids or (-1,), jnp.int32)
 
         def decode(params, trainable, slot, state: DecodeState, key, min_active):
+            """Decode until no row is live, the live rows are at most `min_active` (the host then refills
+            or compacts) or a live row's next cache slot leaves the attention window. Each row counts its
+            own tokens (`step` [B]), so rows that joined later decode beside older ones."""
             params, lo = self._select(params, trainable, slot)
-            Tn = state.out_tokens.shape[1]
+            B, Tn = state.out_tokens.shape
+            rows = jnp.arange(B)
 
-            def cond(s: DecodeState):
+            def cond(carry):
+                s, _ = carry
                 n = jnp.sum(s.active)
-                fits = prompt_len + s.step - 1 < window  # the next token's cache slot is inside the window
-                return (s.step < Tn) & (n > 0) & (n > min_active) & fits
+                fits = jnp.all(~s.active | (prompt_len + s.step - 1 < window))  # next slots inside the window
+                return (n > 0) & (n > min_active) & fits
 
-            def body(s: DecodeState):
+            def body(carry):
+                s, it = carry
                 logits, cache = decoder.forward_cached(
                     params, cfg, s.token[:, None], s.pos[:, None], s.cache, prompt_len + s.step - 1,
                     s.active[:, None], lora=lo, lora_scale=self.lora_scale, dtype=self.dtype, window=window,
@@ -356,13 +368,16 @@ class Sampler:
                 tok, lp = sample_tokens(logits[:, 0], _row_keys(key, s.row_id, s.step), sp)
                 tok = jnp.where(s.active, tok, self.pad_id)
                 lp = jnp.where(s.active, lp, 0.0)
-                out_tokens = jax.lax.dynamic_update_slice(s.out_tokens, tok[:, None], (0, s.step))
-                out_logp = jax.lax.dynamic_update_slice(s.out_logp, lp[:, None], (0, s.step))
+                at = jnp.where(s.active, s.step, Tn)  # finished rows write nowhere
+                out_tokens = s.out_tokens.at[rows, at].set(tok, mode="drop")
+                out_logp = s.out_logp.at[rows, at].set(lp, mode="drop")
                 active = s.active & ~jnp.isin(tok, stops) & (s.step + 1 < s.max_len)
-                return DecodeState(cache, tok, s.pos + 1, s.step + 1, active, out_tokens, out_logp,
-                                   s.row_id, s.max_len)
+                step = s.step + s.active
+                return DecodeState(cache, tok, s.pos + s.active, step, active, out_tokens, out_logp,
+                                   s.row_id, s.max_len), it + 1
 
-            return self._constrain(jax.lax.while_loop(cond, body, state))
+            state, it = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+            return self._constrain(state), it
 
         fn = jax.jit(decode, donate_argnums=(3,))
         self._fns[key_] = fn
@@ -374,11 +389,22 @@ class Sampler:
                 take = lambda x, axis=0: jnp.take(x, idx, axis=axis)
                 cache = state.cache.map_batch(take)
                 return self._constrain(DecodeState(
-                    cache, take(state.token), take(state.pos), state.step, take(state.active) & keep,
+                    cache, take(state.token), take(state.pos), take(state.step), take(state.active) & keep,
                     take(state.out_tokens), take(state.out_logp), jnp.where(keep, take(state.row_id), -1),
                     take(state.max_len)))
             self._fns["gather"] = jax.jit(gather)
         return self._fns["gather"]
+
+    def _insert_fn(self):
+        """Rows of a freshly prefilled state into rows `dest` of the running one (dest = B: dropped)."""
+        if "insert" not in self._fns:
+            def insert(state: DecodeState, new: DecodeState, dest):
+                put = lambda x, y, axis=0: x.at[(slice(None),) * axis + (dest,)].set(y, mode="drop")
+                cache = KVCache(put(state.cache.k, new.cache.k, 1), put(state.cache.v, new.cache.v, 1),
+                                put(state.cache.valid, new.cache.valid))
+                return self._constrain(DecodeState(cache, *(put(a, b) for a, b in zip(state[1:], new[1:]))))
+            self._fns["insert"] = jax.jit(insert, donate_argnums=(0,))
+        return self._fns["insert"]
 
     # ---- host driver ----
     def generate(self, params, prompts: Sequence[Sequence[int]], key: jax.Array, sp: SamplingParams, *,
@@ -396,99 +422,140 @@ class Sampler:
                            np.zeros((n, sp.max_new_tokens), np.float32), np.zeros(n, np.int32), np.zeros(n, bool))
         self._stops, self._limits = tuple(sp.stop_ids), limits
         self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_s": 0.0,
-                      "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "stored_tokens": 0}
+                      "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "refills": 0,
+                      "stored_tokens": 0, "peak_kv_bytes": 0}
         if self.prefix_cache is not None:
             self.prefix_cache.bind(params, trainable)
         self._prompts = prompts
         # Longest prompts first, so each chunk's prompt bucket is tight.
         order = np.argsort([-len(p) for p in prompts], kind="stable")
-        for start in range(0, n, self.max_batch):
-            idx = order[start:start + self.max_batch]
+        # Continuous batching runs every row through one batch of at most max_batch rows, refilled as rows
+        # finish; otherwise each chunk of max_batch rows runs to its end before the next starts.
+        chunk = n if self.continuous else self.max_batch
+        for start in range(0, n, chunk):
+            idx = order[start:start + chunk]
             self._generate_chunk(params, [prompts[i] for i in idx], idx, key, sp, limits[idx], trainable, slot, out)
+        self.stats["useful_row_steps"] = int(np.maximum(out.lengths - 1, 0).sum())
         return out
 
-    def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out: SampleOutput):
-        n = len(prompts)
-        slot_id = int(slot)
-        B = _batch_bucket(n, self.min_batch, self.data_size)
-        Tn = length_bucket(sp.max_new_tokens)
-        # Identical prompts (the G episodes of a task, parallel voters) are prefilled once.
-        uniq: dict[tuple, int] = {}
-        expand = np.zeros(B, np.int32)
-        for i, p in enumerate(prompts):
-            expand[i] = uniq.setdefault(tuple(p), len(uniq))
-        Bu = _batch_bucket(len(uniq), self.min_batch, self.data_size)
+    def _plan(self, prompts, slot_id: int) -> dict:
+        """The prompt layout of a call (shared by every prefill of its rows, so they share programs and the
+        completion's first slot P): distinct prompts, their cached blocks, the cached region C, rest S."""
+        uniq = list(dict.fromkeys(tuple(p) for p in prompts))
         # Prompts extending an earlier call's sequences load those keys and values from the prefix cache.
         pc = self.prefix_cache
         hits = {p: pc.lookup(slot_id, p) for p in uniq} if pc is not None else {}
+        if pc is not None:
+            pc.pinned = {b for bs in hits.values() for b in bs}
         cached = {p: len(b) * pc.block for p, b in hits.items()} if pc is not None else {}
         # Otherwise, a prefix all distinct prompts share (a role's system prompt and instructions) is
-        # prefilled once.
-        C = 0
-        if not any(cached.values()) and self.share_prefix:
-            C = _shared_prefix_len(list(uniq))
-            cached = {p: C for p in uniq}
-        elif any(cached.values()):
+        # prefilled once per prefill.
+        C, prefix = 0, ()
+        if any(cached.values()):
             C = length_bucket(max(cached.values()))
+        else:
+            hits, cached = {}, {}
+            if self.share_prefix:
+                C = _shared_prefix_len(uniq)
+                cached, prefix = {p: C for p in uniq}, uniq[0][:C]
         S = length_bucket(max(len(p) - cached.get(p, 0) for p in uniq))
-        P = C + S
+        return dict(hits=hits, cached=cached, C=C, S=S, P=C + S, prefix=prefix)
+
+    def _prefill(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, B, key):
+        """Prefill `prompts` (rows row_ids) into a fresh state of B rows laid out by `plan`."""
+        n = len(prompts)
+        uniq: dict[tuple, int] = {}
+        expand = np.zeros(B, np.int32)
+        for i, p in enumerate(prompts):  # identical prompts (the G episodes of a task) are prefilled once
+            expand[i] = uniq.setdefault(tuple(p), len(uniq))
+        Bu = _batch_bucket(len(uniq), self.min_batch, self.data_size)
+        C, S, cached, hits, pc = plan["C"], plan["S"], plan["cached"], plan["hits"], self.prefix_cache
         tokens = np.full((Bu, S), self.pad_id, np.int32)
         valid = np.zeros((Bu, S), bool)
         offset = np.zeros(Bu, np.int32)
+        src = np.full((Bu, C), -1, np.int32) if hits else None
         for p, u in uniq.items():
             h = cached.get(p, 0)
             tokens[u, S - len(p) + h:] = p[h:]
             valid[u, S - len(p) + h:] = True
             offset[u] = h
+            for j, b in enumerate(hits.get(p, ())):
+                src[u, j * pc.block:(j + 1) * pc.block] = b * pc.block + np.arange(pc.block)
         valid[len(uniq):, -1] = True  # filler rows: one dummy token so their softmax is well defined
-        pool = None
-        if any(hits.values()):
-            src = np.full((Bu, C), -1, np.int32)
-            for p, u in uniq.items():
-                for j, b in enumerate(hits[p]):
-                    src[u, j * pc.block:(j + 1) * pc.block] = b * pc.block + np.arange(pc.block)
-            pool = (pc.k, pc.v, jnp.asarray(src))
-            prefix = np.zeros(0, np.int32)
-        else:
-            prefix = np.asarray(prompts[0][:C], np.int32)
-        # Where each row's prompt tokens sit in the cache: its first `cached` tokens at slots [0, cached),
-        # the rest ending at slot P (completion token t goes to slot P + t).
-        self._layout = {int(r): (cached.get(tuple(p), 0), P) for r, p in zip(row_ids, prompts)}
+        pool = (pc.k, pc.v, jnp.asarray(src)) if hits else None
         rid = np.full(B, -1, np.int32)
         rid[:n] = row_ids
         max_len = np.zeros(B, np.int32)
         max_len[:n] = limits
-        slot = jnp.int32(slot)
         t0 = time.perf_counter()
-        state = self._prefill_fn(sp, P + Tn, Tn)(params, trainable, slot, jnp.asarray(prefix), jnp.asarray(tokens),
-                                                 jnp.asarray(valid), jnp.asarray(offset), jnp.asarray(expand),
-                                                 jnp.asarray(max_len), jnp.asarray(rid), key, pool)
+        state = self._prefill_fn(sp, plan["P"] + Tn, Tn)(
+            params, trainable, jnp.int32(slot), jnp.asarray(np.asarray(plan["prefix"], np.int32)), jnp.asarray(tokens),
+            jnp.asarray(valid), jnp.asarray(offset), jnp.asarray(expand), jnp.asarray(max_len), jnp.asarray(rid),
+            key, pool)
         jax.block_until_ready(state.token)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_rows"] += len(uniq)
-        self.stats["prefill_tokens"] += len(prefix) + sum(len(p) - cached.get(p, 0) for p in uniq)
+        self.stats["prefill_tokens"] += len(plan["prefix"]) + sum(len(p) - cached.get(p, 0) for p in uniq)
         self.stats["prompt_tokens"] += sum(len(p) for p in uniq)
-        if pool is not None:
-            self.stats["cached_tokens"] += sum(cached.values())
+        if hits:
+            self.stats["cached_tokens"] += sum(cached.get(p, 0) for p in uniq)
+        # Where each row's prompt tokens sit in the cache: its first `cached` tokens at slots [0, cached),
+        # the rest ending at slot P (completion token t goes to slot P + t).
+        for r, p in zip(row_ids, prompts):
+            self._layout[int(r)] = (cached.get(tuple(p), 0), plan["P"])
+        return state
+
+    def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out: SampleOutput):
+        slot_id = int(slot)
+        Tn = length_bucket(sp.max_new_tokens)
+        plan = self._plan(prompts, slot_id)
+        P = plan["P"]
+        self._layout = {}
+        B = _batch_bucket(min(len(prompts), self.max_batch), self.min_batch, self.data_size)
+        first = min(len(prompts), B)
+        state = self._prefill(params, trainable, slot, plan, sp, Tn, prompts[:first], row_ids[:first],
+                              limits[:first], B, key)
+        waiting = first  # prompts[waiting:] have not started
+        slot = jnp.int32(slot)
         t0 = time.perf_counter()
-        step = 1
+        steps = np.ones(B, np.int32)
         while True:
             B = state.active.shape[0]
-            # The loop exits to compact once the live rows fit the next smaller bucket, and to widen the
-            # attention window once the cache fills the current one.
-            shrink_to = _next_smaller_bucket(B, self.min_batch, self.data_size) if self.compaction else 0
-            window = next(w for w in self._windows(P, Tn) if w >= P + step)
-            state = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(shrink_to))
-            active = to_host(state.active)
-            step0, step = step, int(state.step)
-            self.stats["decode_steps"] += step - step0
-            self.stats["row_steps"] += (step - step0) * B
-            if not active.any() or step >= Tn:
+            self.stats["peak_kv_bytes"] = max(self.stats["peak_kv_bytes"], state.cache.k.nbytes + state.cache.v.nbytes)
+            if waiting < len(prompts):  # exit to refill once an eighth of the rows are free
+                exit_at = B - max(1, B // 8)
+            elif self.compaction:  # exit to compact once the live rows fit the next smaller bucket
+                exit_at = _next_smaller_bucket(B, self.min_batch, self.data_size)
+            else:
+                exit_at = 0
+            window = next(w for w in self._windows(P, Tn) if w >= P + steps.max())
+            state, it = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(exit_at))
+            active, steps = to_host(state.active), to_host(state.step)
+            steps = np.where(active, steps, 1)
+            self.stats["decode_steps"] += int(it)
+            self.stats["row_steps"] += int(it) * B
+            if not active.any() and waiting >= len(prompts):
                 self._harvest(state, out, slot_id, final=True)
                 break
-            if active.sum() > shrink_to:
+            if active.sum() > exit_at:
                 continue  # only the window moved
             self._harvest(state, out, slot_id)
+            if waiting < len(prompts):
+                # Refill: waiting prompts take the finished rows' places.
+                free = np.flatnonzero(~active)
+                take = min(len(free), len(prompts) - waiting)
+                Bg = _batch_bucket(take, 1, self.data_size)
+                t1 = time.perf_counter()
+                new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts[waiting:waiting + take],
+                                    row_ids[waiting:waiting + take], limits[waiting:waiting + take], Bg, key)
+                dest = np.full(Bg, B, np.int32)
+                dest[:take] = free[:take]
+                state = self._insert_fn()(state, new, jnp.asarray(dest))
+                t0 += time.perf_counter() - t1  # prefill time is counted apart
+                waiting += take
+                steps = np.where(np.isin(np.arange(B), free[:take]), 1, steps)
+                self.stats["refills"] += 1
+                continue
             # Compact: live rows first, then fillers, into the next smaller bucket.
             live = np.flatnonzero(active)
             newB = _batch_bucket(len(live), self.min_batch, self.data_size)
@@ -496,6 +563,7 @@ class Sampler:
             idx = np.concatenate([live, fill]).astype(np.int32)
             keep = np.arange(newB) < len(live)
             state = self._gather_fn()(state, jnp.asarray(idx), jnp.asarray(keep))
+            steps = steps[idx]
             self.stats["compactions"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
 
@@ -510,24 +578,21 @@ class Sampler:
         return (P + Tn // 4, P + Tn // 2, P + Tn)
 
     def _harvest(self, state: DecodeState, out: SampleOutput, slot: int = 0, final: bool = False):
-        """Copy every real row's results so far to the host output (live rows are overwritten later), and
-        finished rows' keys and values to the prefix cache."""
+        """Copy the results of every real row that finished (every real row when `final`) to the host output,
+        and their keys and values to the prefix cache; a harvested row's place can then be reused."""
         rid = to_host(state.row_id)
-        real = rid >= 0
-        done_rows = []
-        toks = to_host(state.out_tokens)[real]
-        lps = to_host(state.out_logp)[real]
-        rows = rid[real]
+        done = (rid >= 0) & (np.ones_like(rid, bool) if final else ~to_host(state.active))
+        toks = to_host(state.out_tokens)[done]
+        lps = to_host(state.out_logp)[done]
+        steps = to_host(state.step)[done]
+        rows = rid[done]
         Tn_out = out.tokens.shape[1]
-        lengths = np.zeros(len(rows), np.int32)
-        step = int(state.step)
-        # A row's length: up to and including its stop token, capped by its limit and the step count.
-        stops = np.isin(toks[:, :step], np.asarray(self._stops)) if self._stops else np.zeros((len(rows), step), bool)
+        # A row's length: up to and including its stop token, capped by its limit and its step count.
+        stops = np.isin(toks, np.asarray(self._stops)) if self._stops else np.zeros(toks.shape, bool)
         for j, r in enumerate(rows):
-            hit = np.flatnonzero(stops[j])
-            length = hit[0] + 1 if len(hit) else step
-            length = min(length, int(self._limits[r]) if self._limits is not None else Tn_out, Tn_out)
-            lengths[j] = length
+            hit = np.flatnonzero(stops[j, :steps[j]])
+            length = hit[0] + 1 if len(hit) else int(steps[j])
+            length = min(length, int(self._limits[r]), Tn_out)
             out.tokens[r, :length] = toks[j, :length]
             out.logprobs[r, :length] = lps[j, :length]
             out.tokens[r, length:] = self.pad_id
@@ -535,9 +600,7 @@ class Sampler:
             out.lengths[r] = length
             out.finished[r] = bool(len(hit)) and hit[0] < length
         if self.prefix_cache is not None:
-            act = np.zeros(len(rows), bool) if final else to_host(state.active)[real]
-            batch_row = np.flatnonzero(real)
-            self._store(state, slot, [(int(batch_row[j]), int(r)) for j, r in enumerate(rows) if not act[j]], out)
+            self._store(state, slot, [(int(b), int(r)) for b, r in zip(np.flatnonzero(done), rows)], out)
 
     def _store(self, state: DecodeState, slot: int, rows: list[tuple[int, int]], out: SampleOutput):
         """Copy the full blocks of finished rows' sequences (prompt and completion but its last token, which

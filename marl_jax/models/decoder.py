@@ -347,10 +347,16 @@ class Block(_Sharded):
         if self.cached:
             _, k_cache, v_cache, i = carry
             H, W = cfg.num_kv_heads, self.window
-            k_cache = jax.lax.dynamic_update_slice(
-                k_cache, k.transpose(0, 2, 3, 1)[None].astype(k_cache.dtype), (i, 0, 0, 0, write_index))
-            v_cache = jax.lax.dynamic_update_slice(
-                v_cache, v.transpose(0, 2, 1, 3)[None].astype(v_cache.dtype), (i, 0, 0, write_index, 0))
+            kn, vn = k.transpose(0, 2, 3, 1).astype(k_cache.dtype), v.transpose(0, 2, 1, 3).astype(v_cache.dtype)
+            if jnp.ndim(write_index) == 1:  # each row writes at its own slot (continuous batching)
+                put = lambda c, n, w, at: jax.lax.dynamic_update_slice(c, n[None], at(w))
+                k_cache = jax.vmap(put, in_axes=(1, 0, 0, None), out_axes=1)(k_cache, kn, write_index,
+                                                                             lambda w: (i, 0, 0, w))
+                v_cache = jax.vmap(put, in_axes=(1, 0, 0, None), out_axes=1)(v_cache, vn, write_index,
+                                                                             lambda w: (i, 0, w, 0))
+            else:
+                k_cache = jax.lax.dynamic_update_slice(k_cache, kn[None], (i, 0, 0, 0, write_index))
+                v_cache = jax.lax.dynamic_update_slice(v_cache, vn[None], (i, 0, 0, write_index, 0))
             k_all = jax.lax.dynamic_slice(k_cache, (i, 0, 0, 0, 0), (1, B, H, hd, W))[0].astype(q.dtype)
             v_all = jax.lax.dynamic_slice(v_cache, (i, 0, 0, 0, 0), (1, B, H, W, hd))[0].astype(q.dtype)
             a = cached_attention(q, k_all, v_all, mask)
@@ -426,9 +432,15 @@ class Decoder(_Sharded):
                 W = T if window is None else window
                 if not 0 < W <= T:
                     raise ValueError(f"window must be in (0, {T}], got {window}")
-                cvalid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
-                query_slot = write_index + jnp.arange(S)
-                mask = (jnp.arange(W)[None, :] <= query_slot[:, None])[None] & cvalid[:, None, :W]  # [B, S, W]
+                if jnp.ndim(write_index) == 1:  # a write slot per row
+                    cvalid = jax.vmap(lambda c, n, w: jax.lax.dynamic_update_slice(c, n, (w,)))(
+                        cache.valid, new_valid, write_index)
+                    query_slot = write_index[:, None] + jnp.arange(S)  # [B, S]
+                    mask = (jnp.arange(W)[None, None, :] <= query_slot[:, :, None]) & cvalid[:, None, :W]
+                else:
+                    cvalid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
+                    query_slot = write_index + jnp.arange(S)
+                    mask = (jnp.arange(W)[None, :] <= query_slot[:, None])[None] & cvalid[:, None, :W]  # [B, S, W]
                 hidden, k, v, _ = self._layers((x, cache.k, cache.v, jnp.int32(0)), positions, mask,
                                                write_index, W)
                 new_cache = KVCache(k, v, cvalid)
@@ -493,7 +505,8 @@ def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, position
                    lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
                    last_only: bool = False, window: int | None = None, mesh=None, rules=()):
     """Run `tokens` [B, S] (written at cache slots write_index..write_index+S-1, the same slots for
-    every row) against the cache. Returns (logits [B, S, V] float32, updated cache).
+    every row; a write_index of shape [B] gives each row its own start slot) against the cache. Returns
+    (logits [B, S, V] float32, updated cache).
 
     Used for prefill (S = padded prompt length, write_index = 0) and decode (S = 1). `last_only`
     computes logits for the last position only (prefill needs no others; the LM head is costly).
