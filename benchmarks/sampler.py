@@ -7,6 +7,17 @@ HF runs batches of --hf_batch left-padded prompts; marl_jax runs all prompts as 
 (the prefix all prompts share prefilled once, finished rows compacted away). marl_jax is timed after one warm-up call (compilation is reported separately).
 Prints wall times, real (non-padding) tokens per second, the decode step's achieved FLOP/s next to
 a jitted matmul peak measured here, and as its last line `speedup=<HF wall / marl_jax wall>`.
+
+    python benchmarks/sampler.py --workload=longtail [--prompts=256 --max_new_tokens=1024 --max_batch=64]
+
+A workload shaped like RL rollouts: --prompts random prompts of 8-48 tokens on a tiny random decoder
+(2 layers, hidden 64, its LM head scaled so that greedy logits have no near-ties), each row stopped by a
+length rule at a known length: 90% after 1-63 tokens (exponential, mean ~16), 10% at --max_new_tokens. The
+sampler runs with continuous batching (--max_batch rows, refilled as rows finish); the previous
+scheme (all rows in one batch, compacted as they finish) runs too for comparison. Prints useful row-steps
+(tokens decoded) over computed row-steps (batch rows x decode steps), peak KV-cache bytes next to what a
+dense cache for every row would hold, and `speedup=` against HF generate (batches of --hf_batch, each row
+stopped by the same rule, a batch running until its last row stops).
 """
 from __future__ import annotations
 
@@ -28,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip_hf", action="store_true", help="only time marl_jax")
     p.add_argument("--no_compaction", action="store_true")
+    p.add_argument("--workload", default="chat", choices=("chat", "longtail"))
+    p.add_argument("--max_batch", type=int, default=64, help="longtail: rows decoding at once")
     return p.parse_args(argv)
 
 
@@ -43,8 +56,93 @@ def arithmetic_prompts(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def longtail(args):
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+
+    from marl_jax.generate.sampler import Sampler, SamplingParams
+    from marl_jax.models import hf
+    from marl_jax.models.tiny import tiny_model
+
+    m = tiny_model()
+    params = jax.device_put({**m.params, "embed": m.params["embed"] * 8.0})
+    rng = np.random.RandomState(0)
+    n, T = args.prompts, args.max_new_tokens
+    prompts = [rng.randint(3, m.cfg.vocab_size, rng.randint(8, 49)).tolist() for _ in range(n)]
+    long = rng.rand(n) < 0.1
+    limits = np.where(long, T, np.minimum(63, 1 + rng.exponential(16, n).astype(int))).astype(int)
+    print(f"workload longtail: {n} prompts (8-48 tokens), stop lengths {int(long.sum())} at {T}, the rest 1-63 "
+          f"(median {int(np.median(limits[~long]))}); {limits.sum()} tokens; greedy, tiny random qwen3 "
+          f"(2 layers, hidden 64), float32, {args.threads} threads")
+    sp = SamplingParams(max_new_tokens=T, temperature=0.0)
+    key = jax.random.PRNGKey(0)
+    res = {}
+    for name, kw in (("continuous", dict(max_batch=args.max_batch, min_batch=1)),
+                     ("one batch + compaction (previous)", dict(continuous=False, max_batch=max(n, 1)))):
+        s = Sampler(m.cfg, pad_id=0, prefix_cache_tokens=0, **kw)
+        t = time.perf_counter()
+        s.generate(params, prompts, key, sp, max_new_tokens=limits)
+        warm = time.perf_counter() - t
+        t = time.perf_counter()
+        out = s.generate(params, prompts, key, sp, max_new_tokens=limits)
+        wall = time.perf_counter() - t
+        st = s.stats
+        c = m.cfg
+        dense = 2 * c.num_layers * n * c.num_kv_heads * c.head_dim * (
+            max(map(len, prompts)) + T) * np.dtype(np.float32).itemsize
+        res[name] = (out, wall)
+        print(f"marl_jax {name}: wall {wall:.2f}s (first call incl. compile {warm:.1f}s); decode {st['decode_s']:.2f}s, "
+              f"{st['decode_steps']} steps, {st['refills']} refills, {st['compactions']} compactions; "
+              f"useful/computed row-steps {st['useful_row_steps']}/{st['row_steps']} = "
+              f"{st['useful_row_steps'] / st['row_steps']:.3f}; peak KV {st['peak_kv_bytes'] / 2**20:.1f} MiB "
+              f"(a dense cache for all {n} rows: {dense / 2**20:.1f} MiB)")
+    a, b = (r[0] for r in res.values())
+    print(f"identical completions with and without continuous batching: {bool((a.tokens == b.tokens).all())}")
+    out, jax_wall = res["continuous"]
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_hf_dir(d, m.cfg, jax.device_get(params))
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+    class StopAt(transformers.StoppingCriteria):  # each row stops at its own length
+        def __init__(self, start, lens):
+            self.start, self.lens = start, torch.tensor(lens)
+
+        def __call__(self, input_ids, scores, **kw):
+            return (input_ids.shape[1] - self.start) >= self.lens
+
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    agree = 0
+    t = time.perf_counter()
+    for s0 in range(0, n, args.hf_batch):
+        chunk, lens = prompts[s0:s0 + args.hf_batch], limits[s0:s0 + args.hf_batch]
+        L = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (L - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=int(lens.max()), do_sample=False,
+                                 pad_token_id=0, eos_token_id=None,
+                                 stopping_criteria=transformers.StoppingCriteriaList([StopAt(L, lens)]))
+        for j, g in enumerate(gen[:, L:].tolist()):
+            agree += g[:lens[j]] == out.row(s0 + j)[0]
+    hf_wall = time.perf_counter() - t
+    print(f"hf generate (batch {args.hf_batch}): wall {hf_wall:.2f}s")
+    print(f"identical completions: {agree}/{n}")
+    print(f"speedup={hf_wall / jax_wall:.2f}")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.workload == "longtail":
+        if "--prompts" not in " ".join(argv or sys.argv):
+            args.prompts = 256
+        if "--max_new_tokens" not in " ".join(argv or sys.argv):
+            args.max_new_tokens = 1024
+        return longtail(args)
     import jax
     import jax.numpy as jnp
     import numpy as np

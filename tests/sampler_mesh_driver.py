@@ -1,0 +1,56 @@
+"""Run on 8 fake CPU devices (XLA_FLAGS set by the caller, tests/test_continuous.py): the sampler with continuous
+batching, compaction and the prefix cache on several meshes against one device, greedy. Prints `RESULT {json}`."""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+
+from marl_jax.generate.sampler import Sampler, SamplingParams
+from marl_jax.models import decoder, sharding
+from marl_jax.models.decoder import ModelConfig
+from marl_jax.policy.lora import PolicySpec, init_trainable
+
+MESHES = ((8, 1, 1), (2, 2, 2), (1, 4, 2))
+CFG = ModelConfig(family="qwen2", vocab_size=322, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
+
+
+def main():
+    params = decoder.init_params(CFG, jax.random.PRNGKey(0))
+    params = {**params, "lm_head": params["lm_head"] * 20.0}  # peaked logits: greedy has no near-ties
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, CFG.vocab_size, rng.randint(10, 30)).tolist() for _ in range(20)]
+    limits = np.where(np.arange(20) % 5 == 0, 16, rng.randint(1, 5, 20)).tolist()
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    key = jax.random.PRNGKey(1)
+    lspec = PolicySpec(rank=4, alpha=8.0, num_slots=2)
+    ltr = jax.tree_util.tree_map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(3), x.shape),
+                                 init_trainable(lspec, CFG, params, jax.random.PRNGKey(4)))
+
+    def run(mesh, base, tr):
+        """Two calls, the second's prompts extending the first's prompts + completions; then a LoRA slot."""
+        s = Sampler(CFG, mesh=mesh, max_batch=8)
+        a = s.generate(base, prompts, key, greedy, max_new_tokens=limits)
+        refills = s.stats["refills"]
+        ext = [p + a.row(i)[0] + [5, 6, 7] for i, p in enumerate(prompts)]
+        b = s.generate(base, ext, key, greedy, max_new_tokens=limits)
+        ls = Sampler(CFG, mesh=mesh, max_batch=8, spec=lspec)
+        c = ls.generate(base, prompts, key, greedy, max_new_tokens=limits, trainable=tr, slot=1)
+        return a, b, c, refills, s.stats["cached_tokens"]
+
+    ref = run(None, params, ltr)
+    out = {"devices": len(jax.devices()), "meshes": {}}
+    for data, fsdp, model in MESHES:
+        mesh = sharding.make_mesh(data, model, fsdp=fsdp)
+        a, b, c, refills, cached = run(mesh, sharding.shard_params(params, mesh),
+                                       jax.device_put(ltr, sharding.tree_shardings(ltr, mesh)))
+        out["meshes"][f"{data}x{fsdp}x{model}"] = {
+            "same": a.tokens.tolist() == ref[0].tokens.tolist(), "same_extended": b.tokens.tolist() == ref[1].tokens.tolist(),
+            "lora_same": c.tokens.tolist() == ref[2].tokens.tolist(), "refills": refills, "cached_tokens": cached}
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
