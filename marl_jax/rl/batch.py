@@ -34,7 +34,6 @@ from marl_jax.generate.sampler import length_bucket
 class TrainBatch(NamedTuple):
     tokens: np.ndarray  # [S, R, T] int32
     valid: np.ndarray  # [S, R, T] bool: real (non-padding) tokens
-    length: np.ndarray  # [S, R] int32: real tokens of each row (prompt + completion), 0 on padding
     win_start: np.ndarray  # [S, R] int32: position predicting the first completion token
     targets: np.ndarray  # [S, R, W] int32: completion tokens
     loss_mask: np.ndarray  # [S, R, W] float32: 1 on real completion tokens
@@ -44,6 +43,9 @@ class TrainBatch(NamedTuple):
     group: np.ndarray  # [S, R] int32: diagnostic group, -1 on padding
     kl_coef: np.ndarray  # [S, R] float32: per-role KL coefficient of each row
     den: np.ndarray  # [S] float32: the loss denominator of each slot, over all its trained rows
+    # [S, R] int32: real tokens of each row (prompt + completion), 0 on padding; None: every row counts as
+    # T long (the update then runs every micro-batch over all T)
+    length: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,9 +198,11 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         mb = min(ucfg.micro_batch, R)
         M = R // mb
         den = jnp.maximum(batch.den, 1.0)  # [S], counted on the host over every trained row
-        rows = {"tokens": batch.tokens, "valid": batch.valid, "length": batch.length, "win_start": batch.win_start,
+        rows = {"tokens": batch.tokens, "valid": batch.valid, "win_start": batch.win_start,
                 "targets": batch.targets, "loss_mask": batch.loss_mask,
                 "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
+        if batch.length is not None:
+            rows["length"] = batch.length
         # [S, R, ...] -> [S * M, mb, ...]: one work item per (slot, micro-batch), slot-major. Items run one at
         # a time on their own slot's parameters, so an item of padding only (a slot with fewer rows than the
         # largest, bucketing, group alignment) is skipped outright: a slot vmap would compute every slot.
@@ -229,7 +231,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 return st
             return jax.vmap(for_role)(jnp.arange(K))
 
-        ladder = length_ladder(T, ucfg.length_buckets)
+        ladder = length_ladder(T, ucfg.length_buckets) if batch.length is not None else (T,)
 
         def terms_over(t):
             """Row numerators, gradient and aux of one item computed over its first t positions (every row of
