@@ -54,7 +54,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         kl_coef=ml_collections.ConfigDict({r: 0.0 for r in roles}), kl_estimator="k3",
         entropy_coef=0.0, old_logp="sampler", micro_batch=8, diagnostics=True, diagnostics_every=1,
         metrics=True, copy_alignment=True,
-        remat="full",  # none | dots | full: what the backward pass recomputes (memory vs ~20% more flops)
+        remat="full",  # none | dots | full: what the backward pass recomputes (memory vs ~20% more flops);
+        # auto: per token window, the least recomputation whose activations fit remat_budget_gb (marl_jax.plan)
+        remat_budget_gb=4.0,
     ))
     c.optim = ml_collections.ConfigDict(dict(
         lr=2e-5, weight_decay=0.01, grad_clip=1.0, schedule="constant", warmup_steps=0, min_lr_ratio=0.0))
@@ -142,7 +144,7 @@ _CHOICES = {
     "levers.fanout": ("none", "inverse", "inverse_sqrt"),
     "levers.balance": ("none", "equal", "weights", "capped"),
     "grpo.old_logp": ("sampler", "recompute"),
-    "grpo.remat": ("none", "dots", "full"),
+    "grpo.remat": ("none", "dots", "full", "auto"),
     "optim.schedule": ("constant", "warmup_cosine"),
 }
 _POSITIVE = ("num_tasks", "rollout.group_size", "rollout.max_batch", "grpo.micro_batch", "train.val_every",

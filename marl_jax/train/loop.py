@@ -132,7 +132,8 @@ class Trainer:
                                  kl_estimator=levers_lib.kl_estimator(g.kl_estimator),
                                  entropy_coef=g.entropy_coef, old_logp=g.old_logp, micro_batch=g.micro_batch,
                                  max_len_norm=float(max(rt.max_new_tokens().values())),  # Dr. GRPO's constant
-                                 diagnostics=g.diagnostics, metrics=g.metrics, remat=g.remat, dtype=rt.dtype)
+                                 diagnostics=g.diagnostics, metrics=g.metrics, remat=g.remat,
+                                 remat_budget_gb=g.remat_budget_gb, dtype=rt.dtype)
         o = config.optim
         self.tx = optim.per_slot(optim.make_optimizer(
             lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
