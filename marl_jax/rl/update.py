@@ -281,6 +281,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
 
         acc0 = (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
                 if ucfg.diagnostics else jax.tree_util.tree_map(jnp.zeros_like, state.trainable))
+        if mesh is not None:  # gradient accumulators sharded like the weights they accumulate (FSDP)
+            acc0 = jax.lax.with_sharding_constraint(acc0, sharding.tree_shardings(acc0, mesh, rules))
         (acc, num_total, mixed), mstats = jax.lax.scan(
             body, (acc0, jnp.zeros((S,), jnp.float32), jnp.int32(0)), (mrows, mweight, mgroup, mslot))
         loss_per_slot = num_total / den
