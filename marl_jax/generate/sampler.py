@@ -1,10 +1,24 @@
 """Batched sampling: a jitted prefill, then a jitted `lax.while_loop` decode over a fixed KV cache.
 
 Shapes are bucketed (batch to 2^k and 3 * 2^k, prompt and new-token lengths to 16 * {1, 1.5} * 2^k), so a
-run compiles a handful of programs whatever its inputs. Rows that stop early do not hold the batch
-hostage: once the live rows fit the next smaller batch bucket, the loop exits, the host gathers them
-into that bucket (`compaction`) and decoding continues there. Attention reads a window of the cache
-(a quarter, a half, then all of the new-token slots) so early steps skip the cache's empty end.
+run compiles a handful of programs whatever its inputs.
+
+Continuous batching: a call's rows (any number) go through one batch of at most `max_batch` rows. Each
+row counts its own tokens and writes its own cache slot, so when an eighth of the rows have finished
+the loop exits, the host harvests them and prefills waiting prompts into their places (programs: one
+prefill per refill bucket, one insert). When nothing waits, the tail is compacted: once the live rows
+fit the next smaller batch bucket, the host gathers them into it. Attention reads a window of the
+cache (a quarter, a half, then all of the new-token slots) so early steps skip the cache's empty end.
+
+KV memory: the decode cache holds min(rows, max_batch) (bucketed) rows x (P + Tn) slots, P the call's
+prompt bucket and Tn the new-token bucket, whatever the number of rows in the call: for 256 rollout rows
+and max_batch 64, a quarter of a dense cache for every row. It is not paged: a row that stops early
+keeps its slots until a waiting prompt takes its place. The prefix cache (PrefixCache) adds a fixed
+`prefix_cache_tokens` slots of keys and values.
+
+Prefix reuse: a prompt that extends an earlier call's prompt + completion (an eval_opt round, a
+synthesizer's prompt embedding its workers' transcripts, every episode of a task) loads the cached
+blocks of that prefix instead of prefilling it; the cache empties when the parameters change.
 
 Randomness is keyed per (row, token index), so a row's sample does not depend on which other rows
 share its batch or on compaction; the same key gives the same completions.
@@ -243,11 +257,13 @@ class Sampler:
     recompile. `trainable` (optional, see marl_jax.policy.lora) has a leading slot axis; `slot`
     picks one by a traced index, so sampling another role's slot reuses the same program.
 
-    `compaction`, `share_prefix` (prefill a prefix all distinct prompts share once) and the prefix cache
+    `continuous` (refill finished rows with waiting prompts; off: chunks of max_batch rows, each run to its
+    end), `compaction`, `share_prefix` (prefill a prefix all distinct prompts share once) and the prefix cache
     (`prefix_cache_tokens` > 0: keys and values of earlier calls' prompts and completions, reused by later
     prompts that extend them; see PrefixCache) only save work; turning them off gives the same completions
     (tests compare both ways). `stats` holds the last call's counts: prefill and decode seconds, rows,
-    prompt tokens computed and found cached, row-steps, compactions.
+    prompt tokens computed and found cached, row-steps computed and useful (tokens decoded), refills,
+    compactions, peak decode-cache bytes.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,

@@ -349,11 +349,9 @@ class Block(_Sharded):
             H, W = cfg.num_kv_heads, self.window
             kn, vn = k.transpose(0, 2, 3, 1).astype(k_cache.dtype), v.transpose(0, 2, 1, 3).astype(v_cache.dtype)
             if jnp.ndim(write_index) == 1:  # each row writes at its own slot (continuous batching)
-                put = lambda c, n, w, at: jax.lax.dynamic_update_slice(c, n[None], at(w))
-                k_cache = jax.vmap(put, in_axes=(1, 0, 0, None), out_axes=1)(k_cache, kn, write_index,
-                                                                             lambda w: (i, 0, 0, w))
-                v_cache = jax.vmap(put, in_axes=(1, 0, 0, None), out_axes=1)(v_cache, vn, write_index,
-                                                                             lambda w: (i, 0, w, 0))
+                rows, slots = jnp.arange(B)[:, None], write_index[:, None] + jnp.arange(S)  # [B, S]
+                k_cache = k_cache.at[i, rows, :, :, slots].set(kn.transpose(0, 3, 1, 2))  # [B, S, H, hd]
+                v_cache = v_cache.at[i, rows, :, slots, :].set(vn.transpose(0, 2, 1, 3))
             else:
                 k_cache = jax.lax.dynamic_update_slice(k_cache, kn[None], (i, 0, 0, 0, write_index))
                 v_cache = jax.lax.dynamic_update_slice(v_cache, vn[None], (i, 0, 0, write_index, 0))
