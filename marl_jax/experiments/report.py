@@ -868,7 +868,8 @@ def levers_summary(root: str | os.PathLike, *, baseline: str = "baseline", n_boo
         roles = sorted({k.split("/")[1] for r in train for k in r if k.startswith("grad/") and k.endswith("/share")
                         and not k.startswith("grad/cos")})
         for role in roles:
-            pick = lambda name: [r[name] for r in train if name in r]
+            # steps where the role had a gradient (all-equal rewards give it none: its shares read 0)
+            pick = lambda name: [r[name] for r in train if name in r and r.get(f"grad/{role}/norm", 1.0) > 0]
             before = pick(f"lever/{role}/share_before") or pick(f"grad/{role}/share")
             entry = {"workflow": wf, "policy": pol, "variant": var, "role": role,
                      "share_before": float(np.mean(before)) if before else None,
@@ -910,7 +911,7 @@ def write_levers_report(root: str | os.PathLike, out: str | os.PathLike, **kw: A
                 _fmt(r["train_success_last3"]), _fmt(r["max_slot_grad_norm"]), r["skipped_updates"])
                for r in res["rows"]]),
           "## Role shares of the update (mean over steps and seeds)", "",
-          "*share*: projection share <g_role, g_slot> / |g_slot|^2 of the role's gradient; *norm share*: "
+          "Steps where the role had no gradient are left out. *share*: projection share <g_role, g_slot> / |g_slot|^2 of the role's gradient; *norm share*: "
           "|g_role| / sum of the slot's |g_role|; before / after the levers (after = before without levers).", "",
           _md(["workflow", "policy", "variant", "role", "share before", "share after", "norm share before",
                "norm share after", "damping factor"],
