@@ -49,7 +49,7 @@ def learning_config(policy: str, prompt_dir: str):
     c.trainable.update(mode="full")
     c.optim.update(lr=1e-2, grad_clip=1.0, weight_decay=0.0)
     c.grpo.update(micro_batch=128, diagnostics_every=10)
-    c.train.update(steps=40, val_every=10, ckpt_every=40, val_temperature=0.0, tensorboard=False, plots=False)
+    c.train.update(steps=60, val_every=10, ckpt_every=60, val_temperature=0.0, tensorboard=False, plots=False)
     return c
 
 
