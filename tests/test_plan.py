@@ -126,7 +126,7 @@ def test_kv_cache_and_prefill_match_the_sampler():
     cache = jax.eval_shape(lambda: decoder.init_cache(CFG, B, 512, jnp.float32))
     sd = jax.ShapeDtypeStruct
     from marl_jax.generate.sampler import DecodeState
-    state = DecodeState(cache, sd((B,), jnp.int32), sd((B,), jnp.int32), sd((), jnp.int32), sd((B,), bool),
+    state = DecodeState(cache, sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), bool),
                         sd((B, 256), jnp.int32), sd((B, 256), jnp.float32), sd((B,), jnp.int32), sd((B,), jnp.int32))
     key = jax.random.PRNGKey(0)
     decode = sampler._decode_fn(sp, 256, 512).lower(params, None, jnp.int32(0), state, key, jnp.int32(0)).compile()
@@ -136,7 +136,8 @@ def test_kv_cache_and_prefill_match_the_sampler():
     _close(kv, ma.argument_size_in_bytes - params_bytes + ma.temp_size_in_bytes)
     prefill = sampler._prefill_fn(sp, 512, 256).lower(
         params, None, jnp.int32(0), sd((0,), jnp.int32), sd((B, 256), jnp.int32), sd((B, 256), bool),
-        sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), key).compile().memory_analysis()
+        sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), key,
+        None).compile().memory_analysis()  # offsets, expand, max_len, row ids; no prefix-cache pool
     _close(pre, prefill.temp_size_in_bytes)
 
 
