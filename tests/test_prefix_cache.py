@@ -13,24 +13,8 @@ from marl_jax.models import hf
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_sampler import HEAD_SCALE, PAD, random_prompts, teacher_forced_logp  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _torch_threads(torch_threads):
-    with torch_threads():
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_ckpt):
-    path = tiny_ckpt("llama", tie=False, num_kv_heads=2)
-    cfg, params = hf.load_hf_dir(path)
-    params = jax.device_put({**params, "lm_head": params["lm_head"] * HEAD_SCALE})
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(HEAD_SCALE)
-    return cfg, params, model
+from test_sampler import (HEAD_SCALE, PAD, _torch_threads, random_prompts,  # noqa: E402,F401
+                          teacher_forced_logp, tiny)  # shared fixtures
 
 
 @pytest.fixture(scope="module")
