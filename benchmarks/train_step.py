@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py [--rows=8 --micro_batch=4 --prompt_len=100 --completion_len=128 --reps=3]
     python benchmarks/train_step.py --skew --rows=16      # uneven lengths, as RL rows are
+    python benchmarks/train_step.py --skew --rows=16 --packing   # ... with sequence packing
 
 The defaults keep a run near 6 minutes on 2 CPU cores; --rows=32 --micro_batch=8 is 4x the work per step.
 
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", action="store_true", help="uneven rows: prompts 70-500, completions 4..completion_len")
     p.add_argument("--length_buckets", type=int, default=4, help="marl_jax token windows per batch (1: all T)")
+    p.add_argument("--packing", action="store_true",
+                   help="marl_jax packs each micro-batch's rows into fewer sequences (grpo.packing)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="marl_jax base-model compute dtype (adapters, gradients, optimizer stay float32)")
     args = p.parse_args(argv)
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     from marl_jax.policy.lora import PolicySpec
     from marl_jax.rl import optim
     from marl_jax.rl.batch import make_batch, make_groups
-    from marl_jax.rl.update import UpdateConfig, init_state, item_windows, length_ladder, make_train_step
+    from marl_jax.rl.update import (UpdateConfig, init_state, item_windows, length_ladder, make_train_step,
+                                    pack_batch, pack_shapes)
 
     t_start = time.perf_counter()
     print(f"load average at start (1/5/15 min, {os.cpu_count()} cores): "
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     role_to_slot = {r: 0 for r in roles}
     groups = make_groups(roles, role_to_slot, None)
     ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False, remat=args.remat,
-                            length_buckets=args.length_buckets,
+                            length_buckets=args.length_buckets, packing=args.packing,
                             dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     batch = make_batch(rows, advs.astype(np.float32), role_to_slot=role_to_slot, num_slots=1, groups=groups,
                        micro_batch=args.micro_batch, pad_id=tok.pad_id, agg=ucfg_off.agg)
@@ -323,12 +327,20 @@ def main(argv: list[str] | None = None) -> None:
     jax_pos = int(win.sum()) * mbr
     jax_pairs = int((win.astype(np.int64) ** 2).sum()) * mbr
     jax_head = int((win > 0).sum()) * mbr * W
+    packing_note = ""
+    if args.packing:  # each item over (packed sequences x window) instead of (rows x window)
+        pb = pack_batch(batch, args.micro_batch, args.length_buckets)
+        shp = pack_shapes(T, mbr, args.length_buckets)
+        items = [shp[k] for k, live in zip(np.asarray(pb.pack_shape)[:, ::mbr].ravel(), (win > 0).ravel()) if live]
+        jax_pos = sum(p * t for p, t in items)
+        jax_pairs = sum(p * t * t for p, t in items)
+        packing_note = f"; packed (sequences x window) per micro-batch {items}"
     torch_pos, torch_pairs = computed_positions(rows, args.micro_batch, lambda n: n)
     torch_head = sum(len(rows[s:s + args.micro_batch]) * max(len(r.completion_tokens) for r in rows[s:s + args.micro_batch])
                      for s in range(0, len(rows), args.micro_batch))
     print(f"positions computed per step (useful = {total} real tokens): marl_jax {jax_pos} "
           f"({jax_pos / total:.2f}x; token windows per micro-batch {sorted(int(x) for x in win.ravel() if x)}, "
-          f"ladder {length_ladder(T, args.length_buckets)}), pytorch {torch_pos} ({torch_pos / total:.2f}x); "
+          f"ladder {length_ladder(T, args.length_buckets)}{packing_note}), pytorch {torch_pos} ({torch_pos / total:.2f}x); "
           f"over the whole T marl_jax would compute {S * R * T} ({S * R * T / total:.2f}x)")
 
     peak = matmul_peak()

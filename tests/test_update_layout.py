@@ -14,7 +14,9 @@ import pytest
 from marl_jax.rl import loss as L
 from marl_jax.rl import optim
 from marl_jax.rl.batch import make_batch, make_groups
-from marl_jax.rl.update import UpdateConfig, init_state, item_windows, length_ladder, make_train_step
+from marl_jax.models import decoder
+from marl_jax.rl.update import (UpdateConfig, init_state, item_positions, item_windows, length_ladder, make_train_step,
+                                pack_batch, pack_rows, pack_shapes)
 from test_update import CFG, LR, FakeRow, _assert_tree_close, _ref_grad, _setup
 
 import optax
@@ -32,14 +34,14 @@ def _uneven_rows(rng, spec):
 
 
 def _run(rows, advs, roles, role_to_slot, copies, *, sort, buckets, micro_batch=4, head_chunk=0, dtype=jnp.float32,
-         metrics=True, seed=0):
+         metrics=True, seed=0, packing=False):
     base, spec, tr = _setup(max(role_to_slot.values()) + 1, seed)
     groups = make_groups(roles, role_to_slot, copies)
     batch = make_batch(rows, np.asarray(advs, np.float32), role_to_slot=role_to_slot, num_slots=spec.num_slots,
                        groups=groups, micro_batch=micro_batch, sort_by_length=sort)
     tx = optim.per_slot(optax.sgd(LR))
     ucfg = UpdateConfig(micro_batch=micro_batch, length_buckets=buckets, head_chunk=head_chunk, dtype=dtype,
-                        metrics=metrics)
+                        metrics=metrics, packing=packing)
     step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
                            group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                            role_slot=[role_to_slot[r] for r in roles])
@@ -113,6 +115,78 @@ def test_isolated_slots_with_token_windows_equal_the_plain_layout():
     roles, r2s = ["gen", "judge"], {"gen": 0, "judge": 1}
     _assert_same_step(_run(rows, advs, roles, r2s, None, sort=False, buckets=1),
                       _run(rows, advs, roles, r2s, None, sort=True, buckets=3))
+
+
+def test_pack_rows_first_fit_decreasing_and_pack_shapes():
+    seq, off, used = pack_rows([30, 0, 50, 20, 45], 64)
+    # Longest first: 50 -> seq 0, 45 -> seq 1, 30 -> seq 2 (fits neither), 20 -> seq 2 at 30 (50 + 20 and 45 + 20 > 64).
+    assert used == 3
+    assert (seq[2], off[2]) == (0, 0) and (seq[4], off[4]) == (1, 0) and (seq[0], off[0]) == (2, 0)
+    assert (seq[3], off[3]) == (2, 30)
+    assert (seq[1], off[1]) == (0, 0)  # padding: nowhere
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_rows([70], 64)
+    assert pack_shapes(128, 4, 2) == ((1, 64), (2, 64), (4, 64), (1, 128), (2, 128), (4, 128))
+    assert pack_shapes(64, 8, 1) == ((2, 64), (4, 64), (8, 64))
+
+
+def test_packed_rows_do_not_overlap_and_use_fewer_positions():
+    rng = np.random.RandomState(6)
+    rows = _uneven_rows(rng, [("gen", 11, 1), ("judge", 7, 1)])
+    groups = make_groups(["gen", "judge"], {"gen": 0, "judge": 0}, None)
+    b = make_batch(rows, np.ones(len(rows), np.float32), role_to_slot={"gen": 0, "judge": 0}, num_slots=1,
+                   groups=groups, micro_batch=4)
+    T = b.tokens.shape[-1]
+    pb = pack_batch(b, 4, 4)
+    shapes = pack_shapes(T, 4, 4)
+    for m in range(b.length.shape[1] // 4):
+        sl = slice(4 * m, 4 * m + 4)
+        p, t = shapes[pb.pack_shape[0, sl][0]]
+        assert (pb.pack_shape[0, sl] == pb.pack_shape[0, 4 * m]).all()
+        taken = np.zeros((p, t), int)
+        for L_, s_, o_ in zip(b.length[0, sl], pb.pack_seq[0, sl], pb.pack_off[0, sl]):
+            if L_:
+                assert s_ < p and o_ + L_ <= t
+                taken[s_, o_:o_ + L_] += 1
+        assert taken.max() <= 1  # no two rows share a position
+    packed, windows = item_positions(b, 4, 4, True), item_positions(b, 4, 4, False)
+    assert packed.sum() < windows.sum() and ((packed > 0) == (windows > 0)).all()
+
+
+def test_segments_keep_attention_within_rows():
+    """A packed sequence's rows give the outputs of each row run alone, and changing one row's tokens
+    changes no other row's outputs (the test fails if attention crosses a segment boundary)."""
+    cfg, params = CFG, _setup(1)[0]
+    rng = np.random.RandomState(7)
+    a, b_, c = (list(rng.randint(1, 64, n)) for n in (7, 12, 5))
+    packed = jnp.asarray([a + b_ + c + [0] * 4])
+    seg = jnp.asarray([[1] * 7 + [2] * 12 + [3] * 5 + [0] * 4])
+    out = decoder.forward(params, cfg, packed, segments=seg)
+    at = {1: slice(0, 7), 2: slice(7, 19), 3: slice(19, 24)}
+    for k, row in zip((1, 2, 3), (a, b_, c)):
+        alone = decoder.forward(params, cfg, jnp.asarray([row]))
+        np.testing.assert_allclose(out[0, at[k]], alone[0], rtol=1e-5, atol=1e-5)
+    changed = decoder.forward(params, cfg, packed.at[0, 8].set((packed[0, 8] % 63) + 1), segments=seg)
+    np.testing.assert_array_equal(np.asarray(changed[0, at[1]]), np.asarray(out[0, at[1]]))
+    np.testing.assert_array_equal(np.asarray(changed[0, at[3]]), np.asarray(out[0, at[3]]))
+    assert not np.allclose(changed[0, at[2]][1:], out[0, at[2]][1:])  # the changed row itself does change
+    # One segment id over two rows would let them attend to each other: the outputs differ.
+    merged = decoder.forward(params, cfg, packed, segments=seg.at[0, 7:19].set(1))
+    assert not np.allclose(merged[0, at[2]], out[0, at[2]], atol=1e-4)
+
+
+@pytest.mark.parametrize("r2s", [{"gen": 0, "judge": 0}, {"gen": 0, "judge": 1}], ids=["shared", "isolated"])
+def test_packed_micro_batches_give_the_plain_layouts_step(r2s):
+    rng = np.random.RandomState(8)
+    rows = _uneven_rows(rng, [("gen", 9, 3), ("judge", 6, 1)])
+    advs = list(rng.randn(len(rows)))
+    roles, copies = ["gen", "judge"], {"gen": 3}
+    plain = _run(rows, advs, roles, r2s, copies, sort=False, buckets=1)
+    packed = _run(rows, advs, roles, r2s, copies, sort=True, buckets=3, packing=True)
+    b = pack_batch(packed[2], 4, 3)
+    used = {pack_shapes(b.tokens.shape[-1], 4, 3)[k][0] for k in np.unique(b.pack_shape[b.length > 0])}
+    assert min(used) < 4, "some micro-batch must be packed into fewer sequences than rows"
+    _assert_same_step(plain, packed)
 
 
 def test_head_in_chunks_of_positions_equals_the_whole_window():
@@ -193,3 +267,26 @@ def test_remat_auto_keeps_activations_of_short_windows_and_recomputes_long_ones(
     _assert_tree_close(out[0][0].trainable, out[1][0].trainable, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="remat"):
         UpdateConfig(remat="sometimes")
+
+
+def test_trainer_with_packing_takes_the_same_first_step(prompt_dir, tmp_path):
+    """grpo.packing reaches the trainer's update: one step of the tiny voting run, packed and not, from the
+    same rollout, gives the same loss and the same updated weights."""
+    from marl_jax.models.tiny import tiny_model
+    from marl_jax.train.loop import Trainer
+    from test_learning import digit_tasks, learning_config, tiny_tokenizer
+
+    out = []
+    for packing in (False, True):
+        c = learning_config("isolated", prompt_dir)
+        c.num_tasks, c.rollout.group_size = 4, 4
+        c.task.update(size=40, val_size=4)
+        c.grpo.update(micro_batch=4, packing=packing)
+        c.train.update(steps=1, val_every=10, ckpt_every=10)
+        t = Trainer(c, str(tmp_path / str(packing)), model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(44),
+                    progress=False)
+        assert t.ucfg.packing is packing
+        rec = t.train_step(0)
+        out.append((rec["loss"], t.state.trainable))
+    np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-5)
+    _assert_tree_close(out[0][1], out[1][1], atol=1e-6, rtol=1e-5)

@@ -410,7 +410,7 @@ class Decoder(_Sharded):
 
     @nn.compact
     def _run(self, tokens=None, valid=None, hidden=None, *, logits=True, cache=None, positions=None,
-             write_index=None, new_valid=None, last_only=False, window=None):
+             write_index=None, new_valid=None, last_only=False, window=None, segments=None):
         cfg = self.cfg
         embed = self._top("embed", (cfg.vocab_size, cfg.hidden_size))
         final_norm = self._top("final_norm", (cfg.hidden_size,), nn.initializers.ones)
@@ -418,7 +418,10 @@ class Decoder(_Sharded):
         new_cache = None
         if tokens is not None:
             x = self.constrain(jnp.take(embed, tokens, axis=0).astype(self.dtype), ACT_HIDDEN)
-            if cache is None:
+            if cache is None and segments is not None:
+                positions, mask = segment_layout(segments)
+                hidden = self._layers(x, positions, mask)
+            elif cache is None:
                 B, T = tokens.shape
                 if valid is None:
                     valid = jnp.ones((B, T), bool)
@@ -452,11 +455,11 @@ class Decoder(_Sharded):
         out = self.constrain(jnp.matmul(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype)), ACT_LOGITS)
         return out if new_cache is None else (out, new_cache)
 
-    def __call__(self, tokens, valid=None):
-        return self._run(tokens, valid)
+    def __call__(self, tokens, valid=None, segments=None):
+        return self._run(tokens, valid, segments=segments)
 
-    def hidden(self, tokens, valid=None):
-        return self._run(tokens, valid, logits=False)
+    def hidden(self, tokens, valid=None, segments=None):
+        return self._run(tokens, valid, logits=False, segments=segments)
 
     def unembed(self, x):
         return self._run(hidden=x)
@@ -482,15 +485,36 @@ def _module(cfg, dtype=jnp.float32, lora_scale=1.0, remat="none", mesh=None, rul
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Array | None = None, *,
             lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
-            return_hidden: bool = False, remat: str = "none", mesh=None, rules=()) -> jax.Array:
+            return_hidden: bool = False, remat: str = "none", mesh=None, rules=(),
+            segments: jax.Array | None = None) -> jax.Array:
     """Teacher-forced forward pass over full sequences (training, scoring, parity).
 
     tokens [B, T]; valid [B, T] marks real tokens (left or right padding both work: positions count
     real tokens only, and padding is masked out of attention). Returns float32 logits [B, T, V], or
     the final hidden states with return_hidden. See Decoder for remat.
+
+    segments [B, T] int (instead of valid): packed sequences, several rows laid end to end in one
+    sequence; each row's tokens carry one id > 0 and padding 0. Positions restart at 0 in every
+    segment and attention stays within a segment (see segment_layout), so each row's outputs are
+    those of the row run alone.
     """
     m = _module(cfg, dtype, lora_scale, remat, mesh, rules)
-    return m.apply(variables(params, lora), tokens, valid, method=Decoder.hidden if return_hidden else Decoder.__call__)
+    return m.apply(variables(params, lora), tokens, valid, segments,
+                   method=Decoder.hidden if return_hidden else Decoder.__call__)
+
+
+def segment_layout(segments: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Positions [B, T] and attention mask [B, T, T] of packed sequences: a token attends to the earlier
+    tokens of its own segment only (never across rows, never to padding, id 0), and its position counts
+    from its segment's first token. Segments are contiguous runs of one id."""
+    B, T = segments.shape
+    idx = jnp.arange(T)
+    starts = jnp.concatenate([jnp.ones((B, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(starts, idx[None], 0), axis=1)
+    positions = idx[None] - first
+    same = segments[:, :, None] == segments[:, None, :]
+    mask = jnp.tril(jnp.ones((T, T), bool))[None] & same & (segments[:, None, :] > 0)
+    return positions, mask
 
 
 def unembed(params: Params, cfg: ModelConfig, x: jax.Array, *, mesh=None, rules=()) -> jax.Array:

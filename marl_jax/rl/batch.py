@@ -46,6 +46,13 @@ class TrainBatch(NamedTuple):
     # [S, R] int32: real tokens of each row (prompt + completion), 0 on padding; None: every row counts as
     # T long (the update then runs every micro-batch over all T)
     length: np.ndarray | None = None
+    # Sequence packing (rl.update.pack_batch fills these when UpdateConfig.packing is on; None otherwise):
+    # [S, R] int32 each: the packed sequence of its micro-batch that a row is laid in, the offset it starts
+    # at there, and its micro-batch's (packed sequences, token window) shape as an index into
+    # rl.update.pack_shapes (the same value on every row of a micro-batch).
+    pack_seq: np.ndarray | None = None
+    pack_off: np.ndarray | None = None
+    pack_shape: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,6 +54,10 @@ class UpdateConfig:
     dtype: Any = jnp.float32  # compute dtype of the base model; adapters, gradients and optimizer stay float32
     length_buckets: int = 4  # token windows per batch (T/n, 2T/n, ..., T); 1 runs every item over all T
     head_chunk: int = 0  # LM-head positions per chunk (0: chunk only when one item's logits exceed 256 MiB)
+    # Sequence packing: the rows of a micro-batch are laid end to end in fewer sequences (segment ids,
+    # per-row positions, attention within a row only), each item over the packed shape (sequences x
+    # window, from pack_shapes) with the fewest positions. Values are unchanged (tests/test_update_layout.py).
+    packing: bool = False
 
     def __post_init__(self):
         if self.old_logp not in ("sampler", "recompute"):
@@ -112,6 +116,77 @@ def item_windows(length, micro_batch: int, T: int, n: int):
     return np.where(longest > 0, ladder[which], 0)
 
 
+def pack_shapes(T: int, micro_batch: int, n: int) -> tuple[tuple[int, int], ...]:
+    """The (packed sequences, token window) shapes a packed update compiles: windows from length_ladder,
+    sequences micro_batch, /2 and /4 (rounded up)."""
+    seqs = sorted({max(1, -(-micro_batch // d)) for d in (1, 2, 4)})
+    return tuple((p, t) for t in length_ladder(T, n) for p in seqs)
+
+
+def pack_rows(lengths, capacity: int) -> tuple[list[int], list[int], int]:
+    """First-fit decreasing: each row's (sequence, offset) in sequences of `capacity` tokens, and the
+    number of sequences used. Rows of length 0 (padding) go nowhere (sequence 0, offset 0)."""
+    seq, off = [0] * len(lengths), [0] * len(lengths)
+    fill: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = int(lengths[i])
+        if n == 0:
+            continue
+        if n > capacity:
+            raise ValueError(f"a row of {n} tokens does not fit a packed sequence of {capacity}")
+        j = next((j for j, f in enumerate(fill) if f + n <= capacity), len(fill))
+        if j == len(fill):
+            fill.append(0)
+        seq[i], off[i] = j, fill[j]
+        fill[j] += n
+    return seq, off, len(fill)
+
+
+def pack_batch(batch: TrainBatch, micro_batch: int, n: int) -> TrainBatch:
+    """Host-side: the packing of every micro-batch (TrainBatch.pack_*). For each item the packed shape
+    with the fewest positions (sequences x window) that holds its rows; ties take the shorter window."""
+    import numpy as np
+    if batch.length is None:
+        raise ValueError("packing needs the rows' lengths (TrainBatch.length)")
+    length = np.asarray(batch.length)
+    S, R = length.shape
+    T = batch.tokens.shape[2]
+    mb = min(micro_batch, R)
+    shapes = pack_shapes(T, mb, n)
+    seq, off = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
+    shape = np.zeros((S, R), np.int32)
+    for s in range(S):
+        for m in range(R // mb):
+            rows = slice(m * mb, (m + 1) * mb)
+            lens = length[s, rows]
+            if not lens.any():
+                continue
+            best = None
+            for k, (p, t) in sorted(enumerate(shapes), key=lambda kv: (kv[1][0] * kv[1][1], kv[1][1])):
+                if t < lens.max():
+                    continue
+                sq, of, used = pack_rows(lens, t)
+                if used <= p:
+                    best = (k, sq, of)
+                    break
+            k, sq, of = best  # (mb, T) always holds the rows: one per sequence
+            seq[s, rows], off[s, rows], shape[s, rows] = sq, of, k
+    return batch._replace(pack_seq=seq, pack_off=off, pack_shape=shape)
+
+
+def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool):
+    """Host-side: the token positions each (slot, micro-batch) item computes ([S, M]; 0 when skipped)."""
+    import numpy as np
+    S, R, T = batch.tokens.shape
+    mb = min(micro_batch, R)
+    if not packing:
+        return item_windows(batch.length, micro_batch, T, n) * mb
+    b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, n)
+    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, n)])
+    live = np.asarray(b.length).reshape(S, R // mb, mb).max(-1) > 0
+    return np.where(live, shapes[np.asarray(b.pack_shape)[:, ::mb]], 0)
+
+
 _HEAD_BYTES = 256 * 2 ** 20  # one item's float32 logits above this are computed in chunks of positions
 
 
@@ -142,9 +217,16 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
                                 else max(8, _HEAD_BYTES // (4 * cfg.vocab_size * N)))
 
     def window_logprobs(p, lo, entropy: bool):
-        h = decoder.forward(p, cfg, rows["tokens"], rows["valid"], lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype,
-                            return_hidden=True, remat=remat or ucfg.remat, mesh=mesh, rules=rules)
-        h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
+        packed = "pack_tokens" in rows
+        h = decoder.forward(p, cfg, rows["pack_tokens"] if packed else rows["tokens"], None if packed else rows["valid"],
+                            lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype, return_hidden=True,
+                            remat=remat or ucfg.remat, mesh=mesh, rules=rules,
+                            segments=rows["pack_segments"] if packed else None)
+        if packed:  # each row's scored positions, read back from where its row was laid in the packed sequences
+            pos = jnp.minimum(rows["pack_off"][:, None] + idx, h.shape[1] - 1)
+            h = h[rows["pack_seq"][:, None], pos]
+        else:
+            h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
         head = lambda x: decoder.unembed(p, cfg, x, mesh=mesh, rules=rules)
         return L.head_logprobs(head, h, rows["targets"], entropy=entropy, chunk=chunk)
 
@@ -203,6 +285,12 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
         if batch.length is not None:
             rows["length"] = batch.length
+        packed = ucfg.packing
+        if packed:
+            if batch.pack_shape is None:
+                raise ValueError("UpdateConfig.packing needs the batch's packing (rl.update.pack_batch); the step "
+                                 "returned by make_train_step adds it on the host")
+            rows.update(pack_seq=batch.pack_seq, pack_off=batch.pack_off, pack_shape=batch.pack_shape)
         # [S, R, ...] -> [S * M, mb, ...]: one work item per (slot, micro-batch), slot-major. Items run one at
         # a time on their own slot's parameters, so an item of padding only (a slot with fewer rows than the
         # largest, bucketing, group alignment) is skipped outright: a slot vmap would compute every slot.
@@ -253,12 +341,32 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 return nums, gr, aux
             return run
 
+        def packed_over(p, t):
+            """As terms_over(t), with the item's rows laid end to end in p sequences of t tokens."""
+            inner = terms_over(t)
+
+            def run(mine, r, cot):
+                n = r["tokens"].shape[0]
+                live = jnp.arange(t)[None] < r["length"][:, None]  # [mb, t]
+                dst_seq = jnp.where(live, r["pack_seq"][:, None], p)  # padding goes out of bounds: dropped
+                dst_pos = r["pack_off"][:, None] + jnp.arange(t)[None]
+                seg = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], (n, t))
+                rp = dict(r, pack_tokens=jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(
+                              r["tokens"][:, :t], mode="drop"),
+                          pack_segments=jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(seg, mode="drop"))
+                return inner(mine, rp, cot)
+            return run
+
         def compute(carry, xs):
             acc, num_total, mixed = carry
             r, w, grp, slot = xs
             mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
             cot = w / den[slot]
-            if len(ladder) == 1:
+            if packed:  # the item's packed shape, chosen on the host (pack_batch)
+                shapes = pack_shapes(T, mb, ucfg.length_buckets)
+                nums, gr, aux = jax.lax.switch(jnp.max(r["pack_shape"]), [packed_over(p, t) for p, t in shapes],
+                                               mine, r, cot)
+            elif len(ladder) == 1:
                 nums, gr, aux = terms_over(T)(mine, r, cot)
             else:  # the shortest window that holds the item's longest row
                 which = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(r["length"]), side="left")
@@ -334,9 +442,15 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         metrics["finite"] = finite
         return new_state, metrics
 
-    if mesh is None:
-        return jax.jit(step, donate_argnums=(0,))
-    return _sharded_jit(step, mesh, rules)
+    fn = jax.jit(step, donate_argnums=(0,)) if mesh is None else _sharded_jit(step, mesh, rules)
+    if not ucfg.packing:
+        return fn
+
+    def packed_step(state, base, batch):
+        if batch.pack_shape is None:
+            batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets)
+        return fn(state, base, batch)
+    return packed_step
 
 
 def _sharded_jit(step, mesh, rules):

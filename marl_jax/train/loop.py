@@ -133,7 +133,7 @@ class Trainer:
                                  entropy_coef=g.entropy_coef, old_logp=g.old_logp, micro_batch=g.micro_batch,
                                  max_len_norm=float(max(rt.max_new_tokens().values())),  # Dr. GRPO's constant
                                  diagnostics=g.diagnostics, metrics=g.metrics, remat=g.remat,
-                                 remat_budget_gb=g.remat_budget_gb, dtype=rt.dtype)
+                                 remat_budget_gb=g.remat_budget_gb, packing=g.packing, dtype=rt.dtype)
         o = config.optim
         self.tx = optim.per_slot(optim.make_optimizer(
             lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
