@@ -7,15 +7,11 @@ update, validation), once with one shared slot and once with a slot per role.
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from marl_jax.models.tiny import char_tokenizer, tiny_model
 from marl_jax.tasks.base import Task
 from marl_jax.train.loop import Trainer
-
-sys.path.insert(0, "configs")
 
 
 ALPHABET = "0123456789:\n="
@@ -34,7 +30,7 @@ def digit_tasks(n: int) -> list[Task]:
 
 
 def learning_config(policy: str, prompt_dir: str):
-    import voting
+    from marl_jax.configs import voting
 
     c = voting.get_config()
     c.policy = policy

@@ -92,3 +92,58 @@ def test_checkpointer_keeps_a_gs_workdir_and_reads_it_through_epath(fake_gcs, tm
     assert any(p.startswith("gs://bucket/runs/vote/checkpoints") for p in fake_gcs.seen)
     with pytest.raises(FileNotFoundError, match="no committed checkpoint for it"):
         ck.restore(4)
+
+
+def test_gs_workdir_run_writes_records_to_the_uri_and_resumes_from_them(fake_gcs, tmp_path, monkeypatch, prompt_dir):
+    """A whole run with --workdir=gs://...: metrics, validation records, config and TensorBoard events reach
+    the bucket (copied from a local mirror at each checkpoint and at the end), nothing lands in a local
+    "gs:" folder, and a resumed run on a fresh machine (no mirror) continues the bucket's records."""
+    import json
+    import sys
+
+    from marl_jax.models.tiny import tiny_model
+    from marl_jax.train import loop
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_learning import digit_tasks, learning_config, tiny_tokenizer
+
+    root = tmp_path / "gcs"
+
+    class BucketCheckpointer(Checkpointer):
+        """Array data goes through tensorstore's own gcs driver, which needs the network: here the
+        checkpoints go to the folder the fake gs:// backend maps the URI to."""
+
+        def __init__(self, workdir, *args, **kw):
+            assert str(workdir).startswith("gs://"), workdir
+            super().__init__(str(root / str(workdir)[len("gs://"):]), *args, **kw)
+
+    monkeypatch.setattr(loop, "Checkpointer", BucketCheckpointer)
+    monkeypatch.chdir(tmp_path)
+    uri = "gs://bucket/runs/vote"
+
+    def run(steps, mirror):
+        monkeypatch.setenv("MARL_JAX_MIRROR", str(tmp_path / mirror))
+        c = learning_config("shared", prompt_dir)
+        c.num_tasks, c.rollout.group_size = 4, 4
+        c.task.update(size=40, val_size=4)
+        c.grpo.update(micro_batch=32)
+        c.train.update(steps=steps, val_every=1, ckpt_every=1, tensorboard=True, plots=False)
+        t = loop.Trainer(c, uri, model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(44), progress=False)
+        assert t.workdir.startswith(str(tmp_path / mirror)) and t.run_dir.uri == uri
+        return t, t.run()
+
+    t, out = run(2, "mirror-a")
+    assert out["workdir"] == uri
+    bucket = root / "bucket" / "runs" / "vote"
+    steps = lambda: [json.loads(l).get("step") for l in (bucket / "metrics.jsonl").read_text().splitlines()]
+    assert steps() == [0, 1, 1, 2, 2]  # validation at 0, then each step's record and its validation
+    assert json.loads((bucket / "config.json").read_text())["workflow"] == "voting"
+    assert (bucket / "val_tasks.jsonl").read_text().count("\n") == 3
+    assert any(p.name.startswith("events.out.tfevents") for p in (bucket / "tb").iterdir())
+    assert not os.path.exists(tmp_path / "gs:")
+    assert any(p.startswith(uri + "/metrics.jsonl") for p in fake_gcs.seen)
+
+    # A fresh machine: another (empty) mirror; the run resumes at step 2 from the bucket's checkpoint.
+    t, _ = run(3, "mirror-b")
+    assert t.start_step == 2
+    assert steps() == [0, 1, 1, 2, 2, 3, 3]

@@ -28,6 +28,7 @@ from marl_jax.train.build import Runtime, build
 from marl_jax.train.checkpoint import Checkpointer, ConfigChangedError, RESUMABLE_KEYS, config_changes
 from marl_jax.train.cliff import CliffMonitor, detect_cliff
 from marl_jax.train.metrics import MetricsWriter, read_metrics
+from marl_jax.train.rundir import RunDir
 from marl_jax.workflows.rollout import run_episodes
 
 # Metrics that depend on wall-clock time (excluded when comparing resumed runs).
@@ -115,10 +116,14 @@ class Trainer:
     def __init__(self, config, workdir: str, *, model=None, tasks=None, progress: bool = True,
                  allow_config_change: bool = False):
         self.c = config
-        self.workdir = workdir
+        # A gs:// (or other URI) workdir: records in a local mirror synced to it, checkpoints straight to it.
+        self.run_dir = RunDir(workdir)
+        if jax.process_index() == 0:
+            self.run_dir.pull()  # a resumed run continues the URI's records
+        self.workdir = workdir = self.run_dir.local
         self.progress = progress
-        os.makedirs(workdir, exist_ok=True)
-        check_resume_config(workdir, config, allow_config_change)  # before anything is loaded or rewritten
+        # before anything is loaded or rewritten
+        check_resume_config(workdir, config, allow_config_change, ckpt_dir=self.run_dir.uri)
         self.rt = rt = build(config, model=model, tasks=tasks)
         if jax.process_index() == 0:  # what the run was, for sweeps and reports
             with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -156,7 +161,7 @@ class Trainer:
                                                                                    len(rt.roles))))
         self.data = task_batches(rt.train_tasks, batch_size=config.num_tasks, seed=config.train.seed)
         self.monitor = CliffMonitor(drop=config.train.cliff_drop, patience=config.train.cliff_patience)
-        self.ckpt = Checkpointer(workdir, keep=config.train.keep_ckpts)
+        self.ckpt = Checkpointer(self.run_dir.uri, keep=config.train.keep_ckpts)
         self.start_step = 0
         latest = self.ckpt.latest_step()
         if latest is not None:
@@ -181,6 +186,13 @@ class Trainer:
     def _save(self, step: int, best: float | None):
         meta = {"data": self.data.get_state(), "cliff": self.monitor.state(), "config": self.c.to_dict()}
         self.ckpt.save(step, jax.device_get(self._ckpt_state()), meta=_jsonable(meta), best_metric=best)
+        self._sync()
+
+    def _sync(self):
+        """Copy the run's records to a gs:// workdir (no-op for a local one)."""
+        if self.run_dir.remote and jax.process_index() == 0:
+            self.writer.flush()
+            self.run_dir.push()
 
     def train_step(self, step: int) -> dict[str, Any]:
         rt, c = self.rt, self.c
@@ -249,6 +261,7 @@ class Trainer:
             bar.close()
             self.ckpt.wait()
             self.writer.close()
+            self._sync()
         return self.finish(stopped_on_cliff)
 
     def finish(self, stopped_on_cliff=None) -> dict[str, Any]:
@@ -269,6 +282,8 @@ class Trainer:
                 out["table"] = write_summary(self.workdir, list(self.rt.roles), drop=self.c.train.cliff_drop)
             else:
                 out["table"] = summary_table(recs, list(self.rt.roles))
+        self._sync()
+        out["workdir"] = self.run_dir.uri
         self.ckpt.close()
         return out
 
@@ -285,12 +300,14 @@ def lever_config(config, roles, copies: dict[str, int]) -> levers_lib.LeverConfi
         copies=tuple(int(copies.get(r, 1)) for r in roles))
 
 
-def check_resume_config(workdir: str, config, allow_change: bool = False) -> list[tuple[str, object, object]]:
+def check_resume_config(workdir: str, config, allow_change: bool = False,
+                        ckpt_dir: str | None = None) -> list[tuple[str, object, object]]:
     """Refuse to resume a checkpoint under another config (mixing two experiments in one run's curves).
 
     Only RESUMABLE_KEYS (step counts, logging) may differ, unless allow_change; returns the differences.
+    ckpt_dir: where the checkpoints are, if not in workdir (a gs:// run's URI; workdir is its mirror).
     """
-    ckpt = Checkpointer(workdir, read_only=True)
+    ckpt = Checkpointer(ckpt_dir or workdir, read_only=True)
     try:
         step = ckpt.latest_step()
         if step is None:
@@ -318,6 +335,9 @@ def check_resume_config(workdir: str, config, allow_change: bool = False) -> lis
 
 class _NoWriter:
     def write(self, record):
+        pass
+
+    def flush(self):
         pass
 
     def close(self):

@@ -214,6 +214,13 @@ class MetricsWriter:
         for r in records:
             self.write(r)
 
+    def flush(self) -> None:
+        """Everything written so far on disk (before a gs:// workdir's mirror is copied up)."""
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
