@@ -7,6 +7,7 @@ INSTALL_REQUIRES = [
     "flax>=0.10",
     "optax>=0.2.4",
     "orbax-checkpoint>=0.11",
+    "etils[epath]>=1.5",  # gs:// and other URIs for checkpoints, run folders and task files
     "transformers>=4.51",
     "tokenizers>=0.21",
     "safetensors>=0.4",

@@ -147,3 +147,31 @@ def test_gs_workdir_run_writes_records_to_the_uri_and_resumes_from_them(fake_gcs
     t, _ = run(3, "mirror-b")
     assert t.start_step == 2
     assert steps() == [0, 1, 1, 2, 2, 3, 3]
+
+
+def test_task_files_are_read_from_a_gs_uri(fake_gcs, tmp_path, monkeypatch):
+    """--config.task.path=gs://... : math (.jsonl, .json, .parquet) and code task files are read through epath."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from marl_jax.tasks.code import load_code_jsonl
+    from marl_jax.tasks.math import load_math_file
+
+    monkeypatch.chdir(tmp_path)
+    d = epath.Path("gs://bucket/data")
+    d.mkdir(parents=True)
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+3?", "answer": "5"}]
+    (d / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "m.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "gcs" / "bucket" / "data" / "m.parquet"))
+    for name in ("m.jsonl", "m.json", "m.parquet"):
+        tasks = load_math_file(f"gs://bucket/data/{name}")
+        assert [(t.question, t.answer) for t in tasks] == [("1+1?", "2"), ("2+3?", "5")], name
+    (d / "c.jsonl").write_text(json.dumps({"problem": "echo", "tests": [{"input": "1\n", "output": "1\n"}]}) + "\n")
+    assert len(load_code_jsonl("gs://bucket/data/c.jsonl")) == 1
+    with pytest.raises(FileNotFoundError, match="gs://bucket/data/missing.jsonl"):
+        load_math_file("gs://bucket/data/missing.jsonl")
+    assert not os.path.exists(tmp_path / "gs:")
+    assert any(p.endswith("m.parquet") for p in fake_gcs.seen)

@@ -26,8 +26,9 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Sequence
+
+from etils import epath
 
 from marl_jax.tasks import sandbox
 from marl_jax.tasks.base import Score, Task
@@ -579,7 +580,7 @@ def load_code_jsonl(path: str | os.PathLike, question_key: str = "problem",
     may also come from the row's `fn_name` or `metadata.func_name`. task_id is the row's
     `id_key` value, else `<file stem>/<row number>`. Errors name the file, row and key.
     """
-    file = Path(path)
+    file = epath.Path(path)  # local, or a URI (gs://...)
     if not file.is_file():
         raise FileNotFoundError(f"code dataset not found: {file} (expected a JSONL file with "
                                 f"{question_key!r} and {tests_key!r} fields per line)")

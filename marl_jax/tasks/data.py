@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import grain
 import numpy as np
+from etils import epath
 
 from marl_jax.tasks.base import Task
 
@@ -52,7 +53,7 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     Read as bytes and decoded line by line, so a stray non-UTF-8 byte is reported with its line rather
     than as a decoder error from somewhere in the file.
     """
-    with open(path, "rb") as f:
+    with epath.Path(path).open("rb") as f:  # a local path or a URI (gs://...)
         for lineno, raw in enumerate(f, 1):
             line = decode_utf8(raw, path, lineno)
             if not line.strip():

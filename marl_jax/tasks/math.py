@@ -18,6 +18,8 @@ import threading
 from fractions import Fraction
 from typing import Any, Iterable, Mapping
 
+from etils import epath
+
 from marl_jax.tasks.base import Score, Task
 from marl_jax.tasks.data import MissingKeyError, TaskFileError, decode_utf8, read_jsonl
 
@@ -392,7 +394,7 @@ def _read_rows(path: str) -> Iterable[Mapping[str, Any]]:
     if lower.endswith(".jsonl"):
         return read_jsonl(path)
     if lower.endswith(".json"):
-        with open(path, "rb") as f:
+        with epath.Path(path).open("rb") as f:
             raw = f.read()
         try:
             text = raw.decode("utf-8")
@@ -415,7 +417,8 @@ def _read_rows(path: str) -> Iterable[Mapping[str, Any]]:
             import pyarrow.parquet as pq
         except ImportError:
             raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-        return pq.read_table(path).to_pylist()
+        with epath.Path(path).open("rb") as f:
+            return pq.read_table(f).to_pylist()
     raise ValueError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
 
 
@@ -491,7 +494,7 @@ def load_math_file(
     limit rows.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not epath.Path(path).is_file():  # local, or a URI (gs://...) read through etils.epath
         raise FileNotFoundError(f"math data file not found: {path}")
     if limit is not None and (not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
