@@ -21,10 +21,6 @@ from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
 
 FWD_MESHES = ((2, 1, 4), (4, 1, 2))  # forward only: a vocabulary of 322 splits over 2 but not 4
 UPDATE_MESHES = ((8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2))
-# Update cases: each (policy, trainable) on two meshes, each mesh under two of them; full training on meshes
-# that split over fsdp and model. The list is mirrored in tests/test_sharding.py.
-UPDATE_CASES = {("shared", "lora"): ((8, 1, 1), (2, 2, 2)), ("shared", "full"): ((1, 8, 1), (1, 4, 2)),
-                ("isolated", "lora"): ((1, 8, 1), (1, 4, 2)), ("isolated", "full"): ((8, 1, 1), (2, 2, 2))}
 
 # vocab 322 = 2 * 161: split on a model axis of 2, not of 4. Every other dimension divides 8.
 CFG = ModelConfig(family="qwen2", vocab_size=322, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -134,7 +130,7 @@ def main():
     for policy in ("shared", "isolated"):
         for mode in ("lora", "full"):
             new1, m1, _, _ = update_case(params, policy, mode, None)
-            for data, fsdp, model in UPDATE_CASES[policy, mode]:
+            for data, fsdp, model in UPDATE_MESHES:
                 mesh = sharding.make_mesh(data, model, fsdp=fsdp)
                 new, m, state, base = update_case(params, policy, mode, mesh)
                 case = {

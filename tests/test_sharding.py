@@ -1,6 +1,5 @@
 """Sharding on 8 fake CPU devices: every ("data", "fsdp", "model") mesh gives the one-device logits, greedy
-samples and GRPO update (Shared / Isolated x LoRA / full, each on two of the meshes), and full training's
-per-device bytes fall as 1/fsdp.
+samples and GRPO update (Shared / Isolated x LoRA / full), and full training's per-device bytes fall as 1/fsdp.
 
 XLA_FLAGS must be set before jax starts, so the multi-device part runs once, in a subprocess
 (tests/sharding_driver.py), and reports JSON; the tests below check that report.
@@ -21,9 +20,7 @@ from marl_jax.models import decoder, sharding
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 UPDATE_MESHES = ("8x1x1", "1x8x1", "2x2x2", "1x4x2")
-# As tests/sharding_driver.py's UPDATE_CASES: each (policy, trainable) on two meshes, each mesh under two.
-CASES = ["shared/lora/8x1x1", "shared/lora/2x2x2", "shared/full/1x8x1", "shared/full/1x4x2",
-         "isolated/lora/1x8x1", "isolated/lora/1x4x2", "isolated/full/8x1x1", "isolated/full/2x2x2"]
+CASES = [f"{p}/{m}/{mesh}" for p in ("shared", "isolated") for m in ("lora", "full") for mesh in UPDATE_MESHES]
 
 
 @pytest.fixture(scope="module")
