@@ -2,7 +2,8 @@
 
     python benchmarks/train_step.py [--rows=8 --micro_batch=4 --prompt_len=100 --completion_len=128 --reps=3]
     python benchmarks/train_step.py --skew --rows=16      # uneven lengths, as RL rows are
-    python benchmarks/train_step.py --skew --rows=16 --packing   # ... with sequence packing
+    python benchmarks/train_step.py --skew --rows=16 --packing   # ... with sequence packing: the unpacked
+                                                                  # step is timed too, packing_speedup=
 
 The defaults keep a run near 6 minutes on 2 CPU cores; --rows=32 --micro_batch=8 is 4x the work per step.
 
@@ -381,7 +382,10 @@ def main(argv: list[str] | None = None) -> None:
     jax_step = jax_runner(ucfg_off)
     jl, jwarm = jax_step()
     tl, twarm = torch_run()
-    jlosses, tlosses, jtimes, ttimes = [jl], [tl], [], []
+    # With --packing, the unpacked step (token windows only) is timed in the same rounds as the reference.
+    unpacked = jax_runner(dataclasses.replace(ucfg_off, packing=False)) if args.packing else None
+    ul = unpacked()[0] if unpacked else None
+    jlosses, tlosses, jtimes, ttimes, utimes = [jl], [tl], [], [], []
     for _ in range(args.reps):
         jl, dt = jax_step()
         jlosses.append(jl)
@@ -389,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         tl, dt = torch_run()
         tlosses.append(tl)
         ttimes.append(dt)
+        if unpacked:
+            utimes.append(unpacked()[1])
     jmed, tmed = statistics.median(jtimes), statistics.median(ttimes)
 
     # executed: marl_jax's windows (full t x t attention scores per item); useful: real tokens, causal context
@@ -404,6 +410,11 @@ def main(argv: list[str] | None = None) -> None:
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
     print(f"marl_jax step (diagnostics off): median {jmed:.2f}s over {args.reps} ({fmt(jtimes)}); "
           f"first call incl. compile {jwarm:.1f}s")
+    if unpacked:
+        umed = statistics.median(utimes)
+        print(f"marl_jax step without packing (token windows only, {int(win.sum()) * mbr} positions): median "
+              f"{umed:.2f}s over {args.reps} ({fmt(utimes)}); first-step loss {ul:.7f} (packed {jlosses[0]:.7f}); "
+              f"packing_speedup={umed / jmed:.2f}")
     print(f"pytorch step ({args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"transformers {transformers.__version__}, torch {torch.__version__}): median {tmed:.2f}s over "
           f"{args.reps} ({fmt(ttimes)}); first step {twarm:.2f}s")
