@@ -74,12 +74,16 @@ def test_length_ladder_and_item_windows():
     np.testing.assert_array_equal(item_windows(length, 4, 192, 1), [[192, 192, 0]])
 
 
-def test_rows_are_sorted_longest_first_within_each_group_and_kept_once():
-    rng = np.random.RandomState(0)
-    rows = _uneven_rows(rng, [("gen", 7, 1), ("judge", 6, 1)])
+def _shared_batch(seed, gen, judge):
+    """Uneven gen / judge rows (gen, judge of them) laid out in one shared slot, micro-batches of 4."""
+    rows = _uneven_rows(np.random.RandomState(seed), [("gen", gen, 1), ("judge", judge, 1)])
     groups = make_groups(["gen", "judge"], {"gen": 0, "judge": 0}, None)
-    b = make_batch(rows, np.ones(len(rows), np.float32), role_to_slot={"gen": 0, "judge": 0}, num_slots=1,
-                   groups=groups, micro_batch=4)
+    return rows, make_batch(rows, np.ones(len(rows), np.float32), role_to_slot={"gen": 0, "judge": 0}, num_slots=1,
+                            groups=groups, micro_batch=4)
+
+
+def test_rows_are_sorted_longest_first_within_each_group_and_kept_once():
+    rows, b = _shared_batch(0, 7, 6)
     for g in (0, 1):
         lens = b.length[0][b.group[0] == g]
         assert list(lens) == sorted(lens, reverse=True)
@@ -131,11 +135,7 @@ def test_pack_rows_first_fit_decreasing_and_pack_shapes():
 
 
 def test_packed_rows_do_not_overlap_and_use_fewer_positions():
-    rng = np.random.RandomState(6)
-    rows = _uneven_rows(rng, [("gen", 11, 1), ("judge", 7, 1)])
-    groups = make_groups(["gen", "judge"], {"gen": 0, "judge": 0}, None)
-    b = make_batch(rows, np.ones(len(rows), np.float32), role_to_slot={"gen": 0, "judge": 0}, num_slots=1,
-                   groups=groups, micro_batch=4)
+    _, b = _shared_batch(6, 11, 7)
     T = b.tokens.shape[-1]
     pb = pack_batch(b, 4, 4)
     shapes = pack_shapes(T, 4, 4)

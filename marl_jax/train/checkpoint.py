@@ -34,6 +34,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy as _pp
 
+from marl_jax.train.rundir import is_uri  # gs://, s3://, ... (epath URIs): never made absolute
+
 __all__ = ["Checkpointer", "COMMIT_FILE", "CheckpointWriteError", "ConfigChangedError", "config_changes",
            "RESUMABLE_KEYS"]
 
@@ -41,9 +43,6 @@ COMMIT_FILE = "commit_success.txt"  # orbax writes it last, before the atomic re
 _BEST_KEY = "best_metric"
 
 
-def _is_uri(path) -> bool:
-    """gs://, s3://, ... paths (etils.epath): not local, never made absolute."""
-    return "://" in str(path)
 
 
 def _isdir(path) -> bool:
@@ -198,7 +197,7 @@ class Checkpointer:
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         # orbax needs absolute paths; gs:// (and other epath URIs) stay as they are
-        self.workdir = str(workdir) if _is_uri(workdir) else os.path.abspath(os.fspath(workdir))
+        self.workdir = str(workdir) if is_uri(workdir) else os.path.abspath(os.fspath(workdir))
         self.directory = os.path.join(self.workdir, "checkpoints")
         self.keep = int(keep)
         self.keep_best = bool(keep_best)
