@@ -113,6 +113,9 @@ def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True) -> d
 
 def main(argv=None):
     args = parse_args(argv)
+    from common import allocator
+
+    print(f"allocator: {allocator()}")
     import jax
 
     from marl_jax.models.loading import load_model
@@ -161,4 +164,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from marl_jax.jax_setup import use_tcmalloc
+
+    use_tcmalloc()  # XLA temporaries without a page fault per 4 KiB (MARL_JAX_MALLOC=off: glibc)
     main()

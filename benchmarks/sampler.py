@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from common import matmul_peak
+from common import allocator, matmul_peak
 
 
 def parse_args(argv=None):
@@ -137,6 +137,7 @@ def longtail(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    print(f"allocator: {allocator()}")
     if args.workload == "longtail":
         if "--prompts" not in " ".join(argv or sys.argv):
             args.prompts = 256
@@ -227,4 +228,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from marl_jax.jax_setup import use_tcmalloc
+
+    use_tcmalloc()  # XLA temporaries without a page fault per 4 KiB (MARL_JAX_MALLOC=off: glibc)
     sys.exit(main())

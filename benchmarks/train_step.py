@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from common import matmul_peak
+from common import allocator, matmul_peak
 
 # libgomp's default busy-waiting makes torch's 2 threads many times slower whenever another process
 # holds a core (measured here: 5x on a forward pass); passive waiting costs little on an idle one.
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t_start = time.perf_counter()
     print(f"load average at start (1/5/15 min, {os.cpu_count()} cores): "
-          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; allocator: {allocator()}")
     m = load_model(args.model)
     cfg, tok = m.cfg, m.tokenizer
     base = jax.device_put(m.params)
@@ -449,4 +449,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from marl_jax.jax_setup import use_tcmalloc
+
+    use_tcmalloc()  # XLA temporaries without a page fault per 4 KiB (MARL_JAX_MALLOC=off: glibc)
     sys.exit(main())

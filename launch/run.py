@@ -41,7 +41,7 @@ def main(argv):
         jax.distributed.initialize()
     logging.set_verbosity(logging.WARNING)
     from marl_jax.config import validate
-    from marl_jax.jax_setup import enable_compilation_cache
+    from marl_jax.jax_setup import enable_compilation_cache, loaded_allocator
 
     enable_compilation_cache()
     from marl_jax.train.loop import train
@@ -53,7 +53,8 @@ def main(argv):
         raise app.UsageError(str(e))
     workdir = FLAGS.workdir or os.path.join("runs", f"{config.workflow}-{config.policy}")
     print(f"workflow={config.workflow} policy={config.policy} model={config.model.name} "
-          f"task={config.task.kind}/{config.task.source} steps={config.train.steps} workdir={workdir}")
+          f"task={config.task.kind}/{config.task.source} steps={config.train.steps} workdir={workdir} "
+          f"allocator={loaded_allocator().split(' ')[0]}")
     try:
         out = train(config, workdir, progress=FLAGS.progress, allow_config_change=FLAGS.allow_config_change)
     except KNOWN_ERRORS as e:
@@ -72,5 +73,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from marl_jax.jax_setup import use_tcmalloc
+
+    use_tcmalloc()  # restarts once with tcmalloc preloaded, if installed (MARL_JAX_MALLOC=off: never)
     flags.mark_flag_as_required("config")
     app.run(main)
