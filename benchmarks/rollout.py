@@ -83,6 +83,10 @@ def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True) -> d
 
     walls, results, calls = [], [], []
     for _ in range(2):  # warm-up (compiles), then the timed replay
+        # A training step starts with an empty prefix cache (new parameters empty it): so does each replay,
+        # or the timed one would find the warm-up's rows cached, take other shapes and compile.
+        if rt.sampler.prefix_cache is not None:
+            rt.sampler.prefix_cache.clear()
         sample = make_policy_sampler(rt, trainable, key_sample)
         t0 = time.perf_counter()
         res = rollout(rt, batch, sample)
