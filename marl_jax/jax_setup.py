@@ -80,6 +80,9 @@ def use_tcmalloc() -> str:
         return current
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    # gperftools returns freed pages to the kernel gradually (rate 1 by default), which faults some of the
+    # temporaries in again; 0 keeps them, as intended here (an explicit setting wins).
+    env.setdefault("TCMALLOC_RELEASE_RATE", "0")
     env[_REEXEC_ENV] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
