@@ -16,11 +16,3 @@ def matmul_peak(n: int = 2048, reps: int = 5) -> float:
     for _ in range(reps):
         f(a).block_until_ready()
     return 2 * n ** 3 * reps / (time.perf_counter() - t)
-
-
-def allocator() -> str:
-    """The process's memory allocator, printed by every benchmark: both sides of a comparison run in one
-    process and share it. Entry points call marl_jax.jax_setup.use_tcmalloc() first."""
-    from marl_jax.jax_setup import loaded_allocator
-
-    return loaded_allocator()

@@ -41,9 +41,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from common import allocator
+    from marl_jax.jax_setup import loaded_allocator
 
-    print(f"allocator: {allocator()}")
+    print(f"allocator: {loaded_allocator()}")
     import jax
     import jax.numpy as jnp
     import numpy as np

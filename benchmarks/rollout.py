@@ -117,9 +117,9 @@ def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True) -> d
 
 def main(argv=None):
     args = parse_args(argv)
-    from common import allocator
+    from marl_jax.jax_setup import loaded_allocator
 
-    print(f"allocator: {allocator()}")
+    print(f"allocator: {loaded_allocator()}")
     import jax
 
     from marl_jax.models.loading import load_model

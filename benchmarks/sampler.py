@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from common import allocator, matmul_peak
+from common import matmul_peak
 
 
 def parse_args(argv=None):
@@ -137,7 +137,9 @@ def longtail(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    print(f"allocator: {allocator()}")
+    from marl_jax.jax_setup import loaded_allocator
+
+    print(f"allocator: {loaded_allocator()}")
     if args.workload == "longtail":
         if "--prompts" not in " ".join(argv or sys.argv):
             args.prompts = 256

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from common import allocator, matmul_peak
+from common import matmul_peak
 
 # libgomp's default busy-waiting makes torch's 2 threads many times slower whenever another process
 # holds a core (measured here: 5x on a forward pass); passive waiting costs little on an idle one.
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
+    from marl_jax.jax_setup import loaded_allocator
     from marl_jax.models import hf
     from marl_jax.models.loading import load_model
     from marl_jax.policy.lora import PolicySpec
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t_start = time.perf_counter()
     print(f"load average at start (1/5/15 min, {os.cpu_count()} cores): "
-          + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; allocator: {allocator()}")
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; allocator: {loaded_allocator()}")
     m = load_model(args.model)
     cfg, tok = m.cfg, m.tokenizer
     base = jax.device_put(m.params)

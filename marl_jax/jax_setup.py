@@ -26,7 +26,7 @@ def enable_compilation_cache(path: str | None = None) -> str:
 # XLA:CPU allocates a program's temporaries afresh at every call (gigabytes for an update step). glibc
 # serves allocations over 32 MiB with mmap and unmaps them on free, so every call faults its
 # temporaries in again, 4 KiB at a time: ~700k page faults and ~1.1 s of kernel time in a 7 s update
-# step (benchmarks/train_step.py), ~2.8 s when a PyTorch step shared the process. tcmalloc keeps
+# step (benchmarks/train_step.py), 3.3 s per thread right after a PyTorch step in the same process. tcmalloc keeps
 # freed pages for reuse. TPU VM images preload it for the same reason.
 MALLOC_ENV = "MARL_JAX_MALLOC"
 _REEXEC_ENV = "_MARL_JAX_MALLOC_REEXEC"
