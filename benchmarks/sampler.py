@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--no_compaction", action="store_true")
     p.add_argument("--workload", default="chat", choices=("chat", "longtail"))
     p.add_argument("--max_batch", type=int, default=64, help="longtail: rows decoding at once")
+    p.add_argument("--paged", action="store_true", help="chat: marl_jax with the paged KV cache")
+    p.add_argument("--kv_block", type=int, default=16, help="paged KV block size (slots)")
     return p.parse_args(argv)
 
 
@@ -80,6 +82,8 @@ def longtail(args):
     key = jax.random.PRNGKey(0)
     res = {}
     for name, kw in (("continuous", dict(max_batch=args.max_batch, min_batch=1)),
+                     ("continuous, paged KV", dict(max_batch=args.max_batch, min_batch=1, paged=True,
+                                                   kv_block=args.kv_block)),
                      ("one batch + compaction (previous)", dict(continuous=False, max_batch=max(n, 1)))):
         s = Sampler(m.cfg, pad_id=0, prefix_cache_tokens=0, **kw)
         t = time.perf_counter()
@@ -96,11 +100,16 @@ def longtail(args):
         print(f"marl_jax {name}: wall {wall:.2f}s (first call incl. compile {warm:.1f}s); decode {st['decode_s']:.2f}s, "
               f"{st['decode_steps']} steps, {st['refills']} refills, {st['compactions']} compactions; "
               f"useful/computed row-steps {st['useful_row_steps']}/{st['row_steps']} = "
-              f"{st['useful_row_steps'] / st['row_steps']:.3f}; peak KV {st['peak_kv_bytes'] / 2**20:.1f} MiB "
-              f"(a dense cache for all {n} rows: {dense / 2**20:.1f} MiB)")
-    a, b = (r[0] for r in res.values())
-    print(f"identical completions with and without continuous batching: {bool((a.tokens == b.tokens).all())}")
+              f"{st['useful_row_steps'] / st['row_steps']:.3f}; peak KV {st['peak_kv_bytes'] / 2**20:.1f} MiB"
+              + (f" allocated, {st['peak_kv_live_bytes'] / 2**20:.1f} MiB in blocks held by rows "
+                 f"({st['pool_grows']} pool grows)" if "peak_kv_live_bytes" in st else "")
+              + f" (a dense cache for all {n} rows: {dense / 2**20:.1f} MiB)")
+    a, b, c = (r[0] for r in res.values())
+    print(f"identical completions with and without continuous batching: {bool((a.tokens == c.tokens).all())}; "
+          f"paged and dense KV: {bool((a.tokens == b.tokens).all())}")
     out, jax_wall = res["continuous"]
+    if args.skip_hf:
+        return
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
@@ -166,7 +175,8 @@ def main(argv=None):
 
     # ---- marl_jax ----
     params = jax.device_put(m.params)
-    sampler = Sampler(m.cfg, pad_id=tok.pad_id, compaction=not args.no_compaction)
+    sampler = Sampler(m.cfg, pad_id=tok.pad_id, compaction=not args.no_compaction, paged=args.paged,
+                      kv_block=args.kv_block)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, stop_ids=stops)
     t = time.perf_counter()
     sampler.generate(params, prompts, jax.random.PRNGKey(0), sp)
@@ -184,7 +194,18 @@ def main(argv=None):
           f"{st['decode_steps']} steps, {st['row_steps']} row-steps, {st['compactions']} compactions")
     print(f"marl_jax decode: {step_flops / st['decode_s'] / 1e9:.1f} GFLOP/s achieved "
           f"({100 * step_flops / st['decode_s'] / peak:.0f}% of matmul peak; counts every row-step, live or not)")
-    if not args.no_compaction:
+    if args.paged:
+        print(f"marl_jax paged KV: pool {st['peak_kv_bytes'] / 2**20:.1f} MiB, blocks held by rows at most "
+              f"{st['peak_kv_live_bytes'] / 2**20:.1f} MiB, {st['pool_grows']} pool grows")
+        dense = Sampler(m.cfg, pad_id=tok.pad_id, compaction=not args.no_compaction)
+        dense.generate(params, prompts, jax.random.PRNGKey(0), sp)
+        t = time.perf_counter()
+        out_d = dense.generate(params, prompts, jax.random.PRNGKey(0), sp)
+        dense_wall = time.perf_counter() - t
+        print(f"marl_jax dense KV: wall {dense_wall:.2f}s, decode {dense.stats['decode_s']:.2f}s, peak KV "
+              f"{dense.stats['peak_kv_bytes'] / 2**20:.1f} MiB (identical output: "
+              f"{bool((out_d.tokens == out.tokens).all())}); paged_over_dense={jax_wall / dense_wall:.2f}")
+    if not args.no_compaction and not args.paged:
         # The same workload with finished rows kept in the batch to the end: what compaction saves.
         plain = Sampler(m.cfg, pad_id=tok.pad_id, compaction=False)
         plain.generate(params, prompts, jax.random.PRNGKey(0), sp)

@@ -47,6 +47,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         group_by_call_index="auto",  # auto (the workflow's default) | true | false
         max_new_tokens=ml_collections.ConfigDict({r: 1024 for r in roles}),
         max_batch=256,
+        # KV cache: dense (rows x (prompt + max new tokens) slots) or paged (blocks of kv_block slots from one
+        # pool, held only where rows have tokens; same completions, less memory, a gather per layer per step)
+        paged_kv=False, kv_block=16,
     ))
     c.advantage = ml_collections.ConfigDict(dict(standardize=True, eps=1e-6))
     c.grpo = ml_collections.ConfigDict(dict(
@@ -150,8 +153,8 @@ _CHOICES = {
     "grpo.remat": ("none", "dots", "full", "auto"),
     "optim.schedule": ("constant", "warmup_cosine"),
 }
-_POSITIVE = ("num_tasks", "rollout.group_size", "rollout.max_batch", "grpo.micro_batch", "train.val_every",
-             "train.ckpt_every", "trainable.rank", "task.size", "train.val_samples", "levers.damping_window")
+_POSITIVE = ("num_tasks", "rollout.group_size", "rollout.max_batch", "rollout.kv_block", "grpo.micro_batch",
+             "train.val_every", "train.ckpt_every", "trainable.rank", "task.size", "train.val_samples", "levers.damping_window")
 
 
 def _get(c, dotted):

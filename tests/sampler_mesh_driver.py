@@ -1,5 +1,6 @@
 """Run on 8 fake CPU devices (XLA_FLAGS set by the caller, tests/test_continuous.py): the sampler with continuous
-batching, compaction and the prefix cache on several meshes against one device, greedy. Prints `RESULT {json}`."""
+batching, compaction and the prefix cache on several meshes against one device, greedy, with the dense and the
+paged KV cache. Prints `RESULT {json}`."""
 from __future__ import annotations
 
 import json
@@ -29,14 +30,14 @@ def main():
     ltr = jax.tree_util.tree_map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(3), x.shape),
                                  init_trainable(lspec, CFG, params, jax.random.PRNGKey(4)))
 
-    def run(mesh, base, tr):
+    def run(mesh, base, tr, paged=False):
         """Two calls, the second's prompts extending the first's prompts + completions; then a LoRA slot."""
-        s = Sampler(CFG, mesh=mesh, max_batch=8)
+        s = Sampler(CFG, mesh=mesh, max_batch=8, paged=paged, kv_block=8)
         a = s.generate(base, prompts, key, greedy, max_new_tokens=limits)
         refills = s.stats["refills"]
         ext = [p + a.row(i)[0] + [5, 6, 7] for i, p in enumerate(prompts)]
         b = s.generate(base, ext, key, greedy, max_new_tokens=limits)
-        ls = Sampler(CFG, mesh=mesh, max_batch=8, spec=lspec)
+        ls = Sampler(CFG, mesh=mesh, max_batch=8, spec=lspec, paged=paged, kv_block=8)
         c = ls.generate(base, prompts, key, greedy, max_new_tokens=limits, trainable=tr, slot=1)
         return a, b, c, refills, s.stats["cached_tokens"]
 
@@ -44,11 +45,13 @@ def main():
     out = {"devices": len(jax.devices()), "meshes": {}}
     for data, fsdp, model in MESHES:
         mesh = sharding.make_mesh(data, model, fsdp=fsdp)
-        a, b, c, refills, cached = run(mesh, sharding.shard_params(params, mesh),
-                                       jax.device_put(ltr, sharding.tree_shardings(ltr, mesh)))
-        out["meshes"][f"{data}x{fsdp}x{model}"] = {
-            "same": a.tokens.tolist() == ref[0].tokens.tolist(), "same_extended": b.tokens.tolist() == ref[1].tokens.tolist(),
-            "lora_same": c.tokens.tolist() == ref[2].tokens.tolist(), "refills": refills, "cached_tokens": cached}
+        sp, st = sharding.shard_params(params, mesh), jax.device_put(ltr, sharding.tree_shardings(ltr, mesh))
+        for paged in (False, True):
+            a, b, c, refills, cached = run(mesh, sp, st, paged)
+            out["meshes"][f"{data}x{fsdp}x{model}" + ("-paged" if paged else "")] = {
+                "same": a.tokens.tolist() == ref[0].tokens.tolist(),
+                "same_extended": b.tokens.tolist() == ref[1].tokens.tolist(),
+                "lora_same": c.tokens.tolist() == ref[2].tokens.tolist(), "refills": refills, "cached_tokens": cached}
     print("RESULT " + json.dumps(out))
 
 

@@ -83,13 +83,15 @@ def test_continuous_equals_chunks_run_to_their_end(tiny, temperature):
 
 def test_continuous_and_prefix_cache_on_a_mesh():
     """8 fake CPU devices: continuous batching, compaction and the prefix cache give one device's greedy
-    tokens on data-, fsdp- and model-split meshes, for the base model and an Isolated-Policy LoRA slot."""
+    tokens on data-, fsdp- and model-split meshes, for the base model and an Isolated-Policy LoRA slot,
+    with the dense and the paged KV cache (the reference is dense, on one device)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "sampler_mesh_driver.py")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert report["devices"] == 8
+    assert sum(m.endswith("-paged") for m in report["meshes"]) == 3, report
     for mesh, r in report["meshes"].items():
         assert r["refills"] >= 1 and r["cached_tokens"] > 0, mesh
         assert r["same"] and r["same_extended"] and r["lora_same"], (mesh, r)

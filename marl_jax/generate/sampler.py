@@ -10,11 +10,23 @@ prefill per refill bucket, one insert). When nothing waits, the tail is compacte
 fit the next smaller batch bucket, the host gathers them into it. Attention reads a window of the
 cache (a quarter, a half, then all of the new-token slots) so early steps skip the cache's empty end.
 
-KV memory: the decode cache holds min(rows, max_batch) (bucketed) rows x (P + Tn) slots, P the call's
-prompt bucket and Tn the new-token bucket, whatever the number of rows in the call: for 256 rollout rows
-and max_batch 64, a quarter of a dense cache for every row. It is not paged: a row that stops early
-keeps its slots until a waiting prompt takes its place. The prefix cache (PrefixCache) adds a fixed
-`prefix_cache_tokens` slots of keys and values.
+KV memory, dense (the default): the decode cache holds min(rows, max_batch) (bucketed) rows x (P + Tn)
+slots, P the call's prompt bucket and Tn the new-token bucket, whatever the number of rows in the call:
+for 256 rollout rows and max_batch 64, a quarter of a dense cache for every row.
+
+KV memory, paged (`paged=True`): keys and values live in a pool of `kv_block`-slot blocks (PagedCache);
+a row holds a block only where it has tokens: the blocks its prompt fills when it is admitted, then one
+more each time its completion enters a new block (popped from a free stack inside the jitted loop), all
+returned when it is harvested. Blocks held at any time <= sum over live rows of (prompt blocks + 1 +
+tokens generated / kv_block); the pool grows (in 1.5x steps, so few shapes compile) when the free
+blocks could run out on the next step, and never beyond the dense cache's B x (P + Tn) slots. Attention
+gathers each row's blocks through its block table, so a row reads only its own blocks (and the null
+block, masked, where it holds none). Compaction moves block-table rows, not keys and values. On this
+CPU the gather makes decode ~15% slower than the dense cache, so it is off by default; it is what to
+turn on when the dense cache does not fit. Under a mesh the pool's heads are split over "model" and
+its blocks are replicated over the data axes.
+
+The prefix cache (PrefixCache) adds a fixed `prefix_cache_tokens` slots of keys and values.
 
 Prefix reuse: a prompt that extends an earlier call's prompt + completion (an eval_opt round, a
 synthesizer's prompt embedding its workers' transcripts, every episode of a task) loads the cached
@@ -39,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marl_jax.models import decoder
-from marl_jax.models.decoder import KVCache, ModelConfig
+from marl_jax.models.decoder import KVCache, ModelConfig, PagedCache
 from marl_jax.models import sharding
 from marl_jax.models.sharding import to_host
 
@@ -260,15 +272,16 @@ class Sampler:
     `continuous` (refill finished rows with waiting prompts; off: chunks of max_batch rows, each run to its
     end), `compaction`, `share_prefix` (prefill a prefix all distinct prompts share once) and the prefix cache
     (`prefix_cache_tokens` > 0: keys and values of earlier calls' prompts and completions, reused by later
-    prompts that extend them; see PrefixCache) only save work; turning them off gives the same completions
-    (tests compare both ways). `stats` holds the last call's counts: prefill and decode seconds, rows,
+    prompts that extend them; see PrefixCache) only save work, and `paged` (a paged KV cache of `kv_block`-slot
+    blocks) only saves memory; turning them off gives the same completions (tests compare both ways). `stats` holds the last call's counts: prefill and decode seconds, rows,
     prompt tokens computed and found cached, row-steps computed and useful (tokens decoded), refills,
-    compactions, peak decode-cache bytes.
+    compactions, peak decode-cache bytes (paged: the pool as allocated, the blocks held by rows, pool grows).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
-                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True):
+                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True,
+                 paged: bool = False, kv_block: int = 16):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
@@ -282,6 +295,9 @@ class Sampler:
         self.compaction = compaction
         self.continuous = continuous
         self.share_prefix = share_prefix
+        if kv_block < 1:
+            raise ValueError(f"kv_block must be >= 1, got {kv_block}")
+        self.paged, self.kv_block = paged, kv_block
         self.data_size = sharding.row_count(mesh)  # rows are split over data x fsdp
         self.min_batch = max(min_batch, self.data_size)
         self.stats: dict[str, Any] = {}
@@ -364,21 +380,38 @@ class Sampler:
         def decode(params, trainable, slot, state: DecodeState, key, min_active):
             """Decode until no row is live, the live rows are at most `min_active` (the host then refills
             or compacts) or a live row's next cache slot leaves the attention window. Each row counts its
-            own tokens (`step` [B]), so rows that joined later decode beside older ones."""
+            own tokens (`step` [B]), so rows that joined later decode beside older ones.
+
+            Paged cache: a live row entering a block it does not hold yet pops one from the free stack;
+            the loop also exits when the stack could run dry on the next step (the host grows the pool)."""
             params, lo = self._select(params, trainable, slot)
             B, Tn = state.out_tokens.shape
             rows = jnp.arange(B)
+            paged = isinstance(state.cache, PagedCache)
 
             def cond(carry):
                 s, _ = carry
                 n = jnp.sum(s.active)
                 fits = jnp.all(~s.active | (prompt_len + s.step - 1 < window))  # next slots inside the window
+                if paged:
+                    fits &= s.cache.top >= n
                 return (n > 0) & (n > min_active) & fits
+
+            def allocate(s):
+                c = s.cache
+                j = (prompt_len + s.step - 1) // c.block
+                cur = c.table[rows, j]
+                need = s.active & (cur == 0)
+                rank = jnp.cumsum(need) - 1
+                got = c.free[jnp.clip(c.top - 1 - rank, 0, c.free.shape[0] - 1)]
+                return c._replace(table=c.table.at[rows, j].set(jnp.where(need, got, cur)),
+                                  top=c.top - jnp.sum(need, dtype=jnp.int32))
 
             def body(carry):
                 s, it = carry
                 logits, cache = decoder.forward_cached(
-                    params, cfg, s.token[:, None], s.pos[:, None], s.cache, prompt_len + s.step - 1,
+                    params, cfg, s.token[:, None], s.pos[:, None], allocate(s) if paged else s.cache,
+                    prompt_len + s.step - 1,
                     s.active[:, None], lora=lo, lora_scale=self.lora_scale, dtype=self.dtype, window=window,
                     mesh=self.mesh, rules=self.rules)
                 tok, lp = sample_tokens(logits[:, 0], _row_keys(key, s.row_id, s.step), sp)
@@ -440,6 +473,8 @@ class Sampler:
         self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_s": 0.0,
                       "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "refills": 0,
                       "stored_tokens": 0, "peak_kv_bytes": 0}
+        if self.paged:
+            self.stats.update(peak_kv_live_bytes=0, pool_grows=0)
         if self.prefix_cache is not None:
             self.prefix_cache.bind(params, trainable)
         self._prompts = prompts
@@ -477,8 +512,9 @@ class Sampler:
         S = length_bucket(max(len(p) - cached.get(p, 0) for p in uniq))
         return dict(hits=hits, cached=cached, C=C, S=S, P=C + S, prefix=prefix)
 
-    def _prefill(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, B, key):
-        """Prefill `prompts` (rows row_ids) into a fresh state of B rows laid out by `plan`."""
+    def _prefill(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, B, key, cache_len=None):
+        """Prefill `prompts` (rows row_ids) into a fresh state of B rows laid out by `plan`, with a dense cache
+        of cache_len slots (default: the prompt and every new token; the paged path takes the prompt only)."""
         n = len(prompts)
         uniq: dict[tuple, int] = {}
         expand = np.zeros(B, np.int32)
@@ -504,7 +540,7 @@ class Sampler:
         max_len = np.zeros(B, np.int32)
         max_len[:n] = limits
         t0 = time.perf_counter()
-        state = self._prefill_fn(sp, plan["P"] + Tn, Tn)(
+        state = self._prefill_fn(sp, cache_len or plan["P"] + Tn, Tn)(
             params, trainable, jnp.int32(slot), jnp.asarray(np.asarray(plan["prefix"], np.int32)), jnp.asarray(tokens),
             jnp.asarray(valid), jnp.asarray(offset), jnp.asarray(expand), jnp.asarray(max_len), jnp.asarray(rid),
             key, pool)
@@ -529,15 +565,20 @@ class Sampler:
         self._layout = {}
         B = _batch_bucket(min(len(prompts), self.max_batch), self.min_batch, self.data_size)
         first = min(len(prompts), B)
-        state = self._prefill(params, trainable, slot, plan, sp, Tn, prompts[:first], row_ids[:first],
-                              limits[:first], B, key)
+        if self.paged:  # an empty paged state, then the first rows go in as a refill would put them
+            state = self._empty_paged(B, P, Tn, sp)
+            state = self._admit(params, trainable, slot, plan, sp, Tn, prompts[:first], row_ids[:first],
+                                limits[:first], np.arange(first), state, key)
+        else:
+            state = self._prefill(params, trainable, slot, plan, sp, Tn, prompts[:first], row_ids[:first],
+                                  limits[:first], B, key)
         waiting = first  # prompts[waiting:] have not started
         slot = jnp.int32(slot)
         t0 = time.perf_counter()
         steps = np.ones(B, np.int32)
         while True:
             B = state.active.shape[0]
-            self.stats["peak_kv_bytes"] = max(self.stats["peak_kv_bytes"], state.cache.k.nbytes + state.cache.v.nbytes)
+            self._count_kv(state)
             if waiting < len(prompts):  # exit to refill once an eighth of the rows are free
                 exit_at = B - max(1, B // 8)
             elif self.compaction:  # exit to compact once the live rows fit the next smaller bucket
@@ -545,28 +586,40 @@ class Sampler:
             else:
                 exit_at = 0
             window = next(w for w in self._windows(P, Tn) if w >= P + steps.max())
+            if self.paged:
+                window = min(-(-window // self.kv_block) * self.kv_block, state.cache.valid.shape[1])
+                state = self._ensure_blocks(state, int(to_host(state.active).sum()))
             state, it = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(exit_at))
+            if self.paged:
+                self._count_kv(state)
             active, steps = to_host(state.active), to_host(state.step)
             steps = np.where(active, steps, 1)
             self.stats["decode_steps"] += int(it)
             self.stats["row_steps"] += int(it) * B
             if not active.any() and waiting >= len(prompts):
                 self._harvest(state, out, slot_id, final=True)
+                if self.paged:
+                    self._check_blocks(state)
                 break
             if active.sum() > exit_at:
-                continue  # only the window moved
-            self._harvest(state, out, slot_id)
+                continue  # only the window moved (or the block pool needs to grow)
+            state = self._harvest(state, out, slot_id)
             if waiting < len(prompts):
                 # Refill: waiting prompts take the finished rows' places.
                 free = np.flatnonzero(~active)
                 take = min(len(free), len(prompts) - waiting)
-                Bg = _batch_bucket(take, 1, self.data_size)
                 t1 = time.perf_counter()
-                new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts[waiting:waiting + take],
-                                    row_ids[waiting:waiting + take], limits[waiting:waiting + take], Bg, key)
-                dest = np.full(Bg, B, np.int32)
-                dest[:take] = free[:take]
-                state = self._insert_fn()(state, new, jnp.asarray(dest))
+                batch = slice(waiting, waiting + take)
+                if self.paged:
+                    state = self._admit(params, trainable, int(slot), plan, sp, Tn, prompts[batch], row_ids[batch],
+                                        limits[batch], free[:take], state, key)
+                else:
+                    Bg = _batch_bucket(take, 1, self.data_size)
+                    new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts[batch], row_ids[batch],
+                                        limits[batch], Bg, key)
+                    dest = np.full(Bg, B, np.int32)
+                    dest[:take] = free[:take]
+                    state = self._insert_fn()(state, new, jnp.asarray(dest))
                 t0 += time.perf_counter() - t1  # prefill time is counted apart
                 waiting += take
                 steps = np.where(np.isin(np.arange(B), free[:take]), 1, steps)
@@ -583,6 +636,129 @@ class Sampler:
             self.stats["compactions"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
 
+    def _count_kv(self, state: DecodeState):
+        """Peak KV bytes: the decode cache as allocated (the pool, when paged) and, paged, the blocks in use."""
+        c = state.cache
+        self.stats["peak_kv_bytes"] = max(self.stats["peak_kv_bytes"], c.k.nbytes + c.v.nbytes)
+        if isinstance(c, PagedCache):
+            N = c.k.shape[1]
+            used = N - 1 - int(to_host(c.top))
+            self.stats["peak_kv_live_bytes"] = max(self.stats.get("peak_kv_live_bytes", 0),
+                                                   (c.k.nbytes + c.v.nbytes) * used // N)
+
+    # ---- paged KV (Sampler(paged=True)) ----
+    def _empty_paged(self, B: int, P: int, Tn: int, sp: SamplingParams) -> DecodeState:
+        blk = self.kv_block
+        T = -(-(P + Tn) // blk) * blk
+        # A first pool for the prompts and a block of growth per row; it grows as rows need more.
+        self._pool_rows = B
+        blocks = min(_batch_bucket(1 + B * (-(-P // blk) + 1), 16), 1 + B * (T // blk))
+        cache = decoder.init_paged(self.cfg, blocks, blk, B, T, self.dtype)
+        z = lambda: jnp.zeros(B, jnp.int32)  # distinct buffers: the state is donated
+        return DecodeState(cache, z(), z(), jnp.ones(B, jnp.int32), jnp.zeros(B, bool),
+                           jnp.full((B, Tn), self.pad_id, jnp.int32), jnp.zeros((B, Tn), jnp.float32),
+                           jnp.full(B, -1, jnp.int32), z())
+
+    def _ensure_blocks(self, state: DecodeState, need: int) -> DecodeState:
+        """Grow the pool (to the next size bucket, so few shapes compile) until `need` blocks are free; never
+        beyond the blocks a dense cache of the batch would hold (then every row can hold all its slots)."""
+        c = state.cache
+        top, N = int(to_host(c.top)), c.k.shape[1]
+        if top >= need:
+            return state
+        full = 1 + self._pool_rows * c.table.shape[1]
+        newN = min(_batch_bucket(N + max(need - top, N // 2), 16), full)
+        if newN - N + top < need:
+            raise RuntimeError(f"paged KV pool cannot hold {need} more blocks ({N} of at most {full})")
+        free = np.zeros(newN, np.int32)
+        free[:newN - N + top] = np.concatenate([np.arange(newN - 1, N - 1, -1), to_host(c.free)[:top]])
+        k, v = self._grow_fn(newN)(c.k, c.v)
+        self.stats["pool_grows"] += 1
+        return state._replace(cache=c._replace(k=k, v=v, free=jnp.asarray(free), top=jnp.int32(newN - N + top)))
+
+    def _grow_fn(self, N: int):
+        key_ = ("grow", N)
+        if key_ not in self._fns:
+            def grow(k, v):
+                pad = lambda x: jnp.concatenate([x, jnp.zeros(x.shape[:1] + (N - x.shape[1],) + x.shape[2:], x.dtype)], 1)
+                return pad(k), pad(v)
+            self._fns[key_] = jax.jit(grow)
+        return self._fns[key_]
+
+    def _admit(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, dest, state, key):
+        """Paged: prefill `prompts` (a dense cache of the prompt slots only), give each row blocks for the
+        slots its prompt fills, and write the rows into batch rows `dest` of the running state."""
+        P, blk, n = plan["P"], self.kv_block, len(prompts)
+        Bg = _batch_bucket(n, 1, self.data_size)
+        new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts, row_ids, limits, Bg, key,
+                            cache_len=P)
+        M = state.cache.table.shape[1]
+        spans = []
+        for r, p in zip(row_ids, prompts):
+            cached, _ = self._layout[int(r)]
+            filled = np.zeros(M * blk, bool)  # slots [0, cached) and the rest right-aligned to P
+            filled[:cached] = True
+            filled[P - (len(p) - cached):P] = True
+            spans.append(np.flatnonzero(filled.reshape(M, blk).any(1)))
+        state = self._ensure_blocks(state, sum(map(len, spans)))
+        c = state.cache
+        free = list(to_host(c.free)[:int(to_host(c.top))])
+        table = np.zeros((Bg, M), np.int32)
+        for u, js in enumerate(spans):
+            for j in js:
+                table[u, j] = free.pop()
+        f = np.zeros(c.free.shape[0], np.int32)
+        f[:len(free)] = free
+        state = state._replace(cache=c._replace(free=jnp.asarray(f), top=jnp.int32(len(free))))
+        to = np.full(Bg, state.active.shape[0], np.int32)
+        to[:n] = dest
+        return self._paged_insert_fn()(state, new, jnp.asarray(to), jnp.asarray(table))
+
+    def _paged_insert_fn(self):
+        """Rows of a freshly prefilled dense state (prompt slots only) into rows `dest` of the paged state
+        (dest = B: dropped), their prompt keys and values into the blocks of their new table rows."""
+        if "paged_insert" not in self._fns:
+            def insert(state: DecodeState, new: DecodeState, dest, table):
+                c, nc = state.cache, new.cache
+                Bg, P = nc.valid.shape
+                j = jnp.arange(P)
+                blocks = table[:, j // c.block]  # [Bg, P]; slots without a block write the null block
+                off = jnp.broadcast_to(j % c.block, (Bg, P))
+                k = c.k.at[:, blocks, off].set(nc.k.transpose(0, 1, 4, 2, 3).astype(c.k.dtype))
+                v = c.v.at[:, blocks, off].set(nc.v.transpose(0, 1, 3, 2, 4).astype(c.v.dtype))
+                valid = jnp.zeros((Bg, c.valid.shape[1]), bool).at[:, :P].set(nc.valid)
+                put = lambda x, y: x.at[dest].set(y, mode="drop")
+                cache = c._replace(k=k, v=v, table=put(c.table, table), valid=put(c.valid, valid))
+                return self._constrain(DecodeState(cache, *(put(a, b) for a, b in zip(state[1:], new[1:]))))
+            self._fns["paged_insert"] = jax.jit(insert, donate_argnums=(0,))
+        return self._fns["paged_insert"]
+
+    @staticmethod
+    def _check_blocks(state: DecodeState):
+        """Every block but the null one is either free or held by exactly one row: none leaked, none shared."""
+        c = state.cache
+        held = to_host(c.table)
+        held = held[held > 0]
+        free = to_host(c.free)[:int(to_host(c.top))]
+        both = np.concatenate([held, free])
+        if len(both) != c.k.shape[1] - 1 or set(both.tolist()) != set(range(1, c.k.shape[1])):
+            raise RuntimeError(f"paged KV bookkeeping broken: {len(held)} blocks held, {len(free)} free, "
+                               f"pool of {c.k.shape[1] - 1}")
+
+    def _release(self, state: DecodeState, done: np.ndarray) -> DecodeState:
+        """Paged: harvested rows give their blocks back and become fillers (row id -1)."""
+        c = state.cache
+        table = to_host(c.table).copy()
+        top = int(to_host(c.top))
+        freed = table[done][table[done] > 0]
+        free = np.zeros(c.free.shape[0], np.int32)
+        free[:top] = to_host(c.free)[:top]
+        free[top:top + len(freed)] = freed
+        table[done] = 0
+        rid = np.where(done, -1, to_host(state.row_id)).astype(np.int32)
+        return state._replace(row_id=jnp.asarray(rid), cache=c._replace(
+            table=jnp.asarray(table), free=jnp.asarray(free), top=jnp.int32(top + len(freed))))
+
     @staticmethod
     def _windows(P: int, Tn: int) -> tuple[int, ...]:
         """Attention windows (cache slots attended) for prompt bucket P: a quarter, a half and all of the
@@ -595,7 +771,8 @@ class Sampler:
 
     def _harvest(self, state: DecodeState, out: SampleOutput, slot: int = 0, final: bool = False):
         """Copy the results of every real row that finished (every real row when `final`) to the host output,
-        and their keys and values to the prefix cache; a harvested row's place can then be reused."""
+        and their keys and values to the prefix cache; a harvested row's place can then be reused (paged:
+        its blocks go back to the pool). Returns the state."""
         rid = to_host(state.row_id)
         done = (rid >= 0) & (np.ones_like(rid, bool) if final else ~to_host(state.active))
         toks = to_host(state.out_tokens)[done]
@@ -617,6 +794,9 @@ class Sampler:
             out.finished[r] = bool(len(hit)) and hit[0] < length
         if self.prefix_cache is not None:
             self._store(state, slot, [(int(b), int(r)) for b, r in zip(np.flatnonzero(done), rows)], out)
+        if isinstance(state.cache, PagedCache) and not final:
+            state = self._release(state, done)
+        return state
 
     def _store(self, state: DecodeState, slot: int, rows: list[tuple[int, int]], out: SampleOutput):
         """Copy the full blocks of finished rows' sequences (prompt and completion but its last token, which
@@ -647,9 +827,14 @@ class Sampler:
 
     def _store_fn(self):
         if "store" not in self._fns:
-            def store(pk, pv, cache: KVCache, rows, slots, dst):
-                k = cache.k[:, rows, :, :, slots]  # [M, L, H, hd]
-                v = cache.v[:, rows, :, slots, :]  # [M, L, H, hd]
+            def store(pk, pv, cache, rows, slots, dst):
+                if isinstance(cache, PagedCache):  # a row's slot lives in the block its table names
+                    blocks, off = cache.table[rows, slots // cache.block], slots % cache.block
+                    k = cache.k[:, blocks, off].transpose(1, 0, 2, 3)  # [M, L, H, hd]
+                    v = cache.v[:, blocks, off].transpose(1, 0, 2, 3)
+                else:
+                    k = cache.k[:, rows, :, :, slots]  # [M, L, H, hd]
+                    v = cache.v[:, rows, :, slots, :]  # [M, L, H, hd]
                 pk = pk.at[:, :, :, dst].set(k.transpose(1, 2, 3, 0).astype(pk.dtype), mode="drop")
                 pv = pv.at[:, :, dst, :].set(v.transpose(1, 2, 0, 3).astype(pv.dtype), mode="drop")
                 return pk, pv

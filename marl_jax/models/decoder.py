@@ -219,6 +219,48 @@ KV_AXES = KVCache(("layers", "batch", "act_kv_heads", None, None), ("layers", "b
                   ("batch", None))
 
 
+class PagedCache(NamedTuple):
+    """A paged KV cache: keys and values live in a pool of N blocks of `blk` slots (k, v
+    [L, N, blk, Hkv, hd]) and row b's slot j is slot j % blk of block table[b, j // blk] ([B, M], so a
+    row addresses M * blk slots). Rows hold blocks only where they have tokens: memory follows the
+    live tokens, not rows x maximum length. Block 0 is the null block: unallocated table entries point
+    there, it is never marked valid, and rows with nothing to write scribble on it.
+
+    free [N] / top (): the free blocks are free[:top] (a stack the decode loop pops from as rows grow).
+    valid [B, M * blk] as in KVCache."""
+
+    k: jax.Array
+    v: jax.Array
+    table: jax.Array
+    valid: jax.Array
+    free: jax.Array
+    top: jax.Array
+
+    @property
+    def block(self) -> int:
+        return self.k.shape[2]
+
+    def map_batch(self, fn) -> "PagedCache":
+        """Rows move by their block tables; the pool stays where it is."""
+        return self._replace(table=fn(self.table, 0), valid=fn(self.valid, 0))
+
+
+PAGED_AXES = PagedCache(("layers", None, None, "act_kv_heads", None), ("layers", None, None, "act_kv_heads", None),
+                        ("batch", None), ("batch", None), (None,), ())
+
+
+def init_paged(cfg: ModelConfig, blocks: int, block: int, batch: int, length: int, dtype=jnp.float32) -> PagedCache:
+    """An empty pool of `blocks` blocks (block 0 the null block) for `batch` rows of `length` slots."""
+    if length % block:
+        raise ValueError(f"paged cache length {length} is not a multiple of the block size {block}")
+    L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    free = np.zeros(blocks, np.int32)
+    free[:blocks - 1] = np.arange(blocks - 1, 0, -1)  # popped from the top: 1, 2, ... first
+    return PagedCache(jnp.zeros((L, blocks, block, H, d), dtype), jnp.zeros((L, blocks, block, H, d), dtype),
+                      jnp.zeros((batch, length // block), jnp.int32), jnp.zeros((batch, length), bool),
+                      jnp.asarray(free), jnp.int32(blocks - 1))
+
+
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
     L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     return KVCache(jnp.zeros((L, batch, H, d, length), dtype), jnp.zeros((L, batch, H, length, d), dtype),
@@ -306,6 +348,7 @@ class Block(_Sharded):
     lora_scale: float = 1.0
     cached: bool = False
     window: int = 0  # cached: cache slots attended ([0, window))
+    paged: bool = False  # cached: the cache is a PagedCache pool (write_index is then (slots, table))
 
     def _param(self, name, shape, init=_normal):
         return self.param(name, nn.with_logical_partitioning(init, LAYER_AXES[name]), shape, self.param_dtype)
@@ -344,7 +387,22 @@ class Block(_Sharded):
             k = rms_norm(k, self._param("k_norm", (hd,), ones), cfg.rms_norm_eps)
         q = rope(q, positions, cfg.rope_theta)
         k = rope(k, positions, cfg.rope_theta)
-        if self.cached:
+        if self.cached and self.paged:
+            # Paged: write this step's keys and values into the rows' blocks, then read each row's
+            # first W slots back through its block table.
+            _, k_pool, v_pool, i = carry
+            widx, table = write_index
+            H, W, blk = cfg.num_kv_heads, self.window, k_pool.shape[2]
+            slots = widx[:, None] + jnp.arange(S)  # [B, S]
+            blocks = jnp.take_along_axis(table, slots // blk, axis=1)
+            k_pool = k_pool.at[i, blocks, slots % blk].set(k.astype(k_pool.dtype))
+            v_pool = v_pool.at[i, blocks, slots % blk].set(v.astype(v_pool.dtype))
+            read = table[:, :W // blk]
+            k_all = jnp.take(k_pool[i], read, axis=0).reshape(B, W, H, hd).astype(q.dtype)
+            v_all = jnp.take(v_pool[i], read, axis=0).reshape(B, W, H, hd).astype(q.dtype)
+            a = attention(q, k_all, v_all, mask)
+            k_cache, v_cache = k_pool, v_pool
+        elif self.cached:
             _, k_cache, v_cache, i = carry
             H, W = cfg.num_kv_heads, self.window
             kn, vn = k.transpose(0, 2, 3, 1).astype(k_cache.dtype), v.transpose(0, 2, 1, 3).astype(v_cache.dtype)
@@ -394,7 +452,7 @@ class Decoder(_Sharded):
     def _top(self, name, shape, init=_normal):
         return self.param(name, nn.with_logical_partitioning(init, TOP_AXES[name]), shape, self.param_dtype)
 
-    def _layers(self, carry, positions, mask, write_index=None, window: int = 0):
+    def _layers(self, carry, positions, mask, write_index=None, window: int = 0, paged: bool = False):
         cached = window > 0
         if self.remat not in REMAT:
             raise ValueError(f"remat must be one of {REMAT}, got {self.remat!r}")
@@ -405,7 +463,7 @@ class Decoder(_Sharded):
                           in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=self.cfg.num_layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})
         return scanned(cfg=self.cfg, dtype=self.dtype, param_dtype=self.param_dtype, lora_scale=self.lora_scale,
-                       cached=cached, window=window, mesh=self.mesh, rules=self.rules,
+                       cached=cached, window=window, paged=paged, mesh=self.mesh, rules=self.rules,
                        name="layers")(carry, positions, mask, write_index)[0]
 
     @nn.compact
@@ -442,9 +500,13 @@ class Decoder(_Sharded):
                     cvalid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
                     query_slot = write_index + jnp.arange(S)
                     mask = (jnp.arange(W)[None, :] <= query_slot[:, None])[None] & cvalid[:, None, :W]  # [B, S, W]
+                paged = isinstance(cache, PagedCache)
+                if paged and (W % cache.block or jnp.ndim(write_index) != 1):
+                    raise ValueError(f"a paged cache needs a window that is a multiple of its block "
+                                     f"({cache.block}, got {W}) and a write slot per row")
                 hidden, k, v, _ = self._layers((x, cache.k, cache.v, jnp.int32(0)), positions, mask,
-                                               write_index, W)
-                new_cache = KVCache(k, v, cvalid)
+                                               (write_index, cache.table) if paged else write_index, W, paged)
+                new_cache = cache._replace(k=k, v=v, valid=cvalid) if paged else KVCache(k, v, cvalid)
                 if last_only:
                     hidden = hidden[:, -1:]
         if not logits:
@@ -535,6 +597,9 @@ def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, position
     `window` (static) attends over cache slots [0, window) only, which the caller guarantees hold
     every slot written so far (write_index + S <= window): early decode steps then do not pay for
     the empty end of the cache.
+
+    `cache` may be a PagedCache (decode only: one write slot per row, a window that is a multiple of the
+    block); rows then write and read their slots through their block tables.
     """
     m = _module(cfg, dtype, lora_scale, "none", mesh, rules)
     return m.apply(variables(params, lora), tokens, positions, cache, write_index, new_valid, last_only, window,

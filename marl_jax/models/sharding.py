@@ -179,10 +179,12 @@ def constrain(x, names, mesh: Mesh, rules=None):
 def constrain_state(state, mesh: Mesh, cfg=None, rules=None) -> Any:
     """Sharding constraints for the sampler's DecodeState: rows on data x fsdp, KV heads on "model"."""
     from marl_jax.generate.sampler import DecodeState
-    from marl_jax.models.decoder import KV_AXES, KVCache
+    from marl_jax.models.decoder import KV_AXES, PAGED_AXES, KVCache, PagedCache
 
     c = lambda x, names: constrain(x, names, mesh, rules)
-    cache = KVCache(*(c(x, n) for x, n in zip(state.cache, KV_AXES)))
+    # A paged pool is shared by every row: its blocks are not split over the data axes, only heads over "model".
+    kind, axes = (PagedCache, PAGED_AXES) if isinstance(state.cache, PagedCache) else (KVCache, KV_AXES)
+    cache = kind(*(c(x, n) for x, n in zip(state.cache, axes)))
     rest = {f: c(getattr(state, f), ("batch",) + (None,) * (getattr(state, f).ndim - 1))
             for f in ("token", "pos", "active", "out_tokens", "out_logp", "row_id", "max_len")}
     return DecodeState(cache=cache, step=state.step, **rest)
