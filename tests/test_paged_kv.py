@@ -116,3 +116,19 @@ def test_trainer_with_paged_kv_takes_the_same_first_step(prompt_dir, tmp_path):
     for k in ("loss", "reward_mean"):
         assert k in out[0], sorted(out[0])
         np.testing.assert_allclose(out[0][k], out[1][k], rtol=1e-5, err_msg=k)
+
+
+def test_pool_at_the_dense_bound_when_every_row_runs_to_its_limit(tiny):
+    """Every row runs to the limit: the pool grows up to (never past) the dense cache's slots plus the null
+    block, every row finds its blocks, and the tokens equal the dense cache's."""
+    cfg, params, _ = tiny
+    prompts = random_prompts(8, cfg.vocab_size, seed=9, lo=13, hi=16)
+    key, sp = jax.random.PRNGKey(3), SamplingParams(64, temperature=0.0)
+    paged = Sampler(cfg, pad_id=PAD, max_batch=8, paged=True, kv_block=4, prefix_cache_tokens=0)
+    out = paged.generate(params, prompts, key, sp)
+    dense = Sampler(cfg, pad_id=PAD, max_batch=8, prefix_cache_tokens=0)
+    ref = dense.generate(params, prompts, key, sp)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    assert (out.lengths == 64).all() and paged.stats["pool_grows"] >= 1
+    block_bytes = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert dense.stats["peak_kv_bytes"] < paged.stats["peak_kv_bytes"] <= dense.stats["peak_kv_bytes"] + block_bytes

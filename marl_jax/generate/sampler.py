@@ -383,25 +383,28 @@ class Sampler:
             own tokens (`step` [B]), so rows that joined later decode beside older ones.
 
             Paged cache: a live row entering a block it does not hold yet pops one from the free stack;
-            the loop also exits when the stack could run dry on the next step (the host grows the pool)."""
+            the loop also exits when the stack cannot serve the next step (the host grows the pool)."""
             params, lo = self._select(params, trainable, slot)
             B, Tn = state.out_tokens.shape
             rows = jnp.arange(B)
             paged = isinstance(state.cache, PagedCache)
+
+            def wanted(s):  # rows whose next slot lies in a block they do not hold yet
+                j = (prompt_len + s.step - 1) // s.cache.block
+                cur = s.cache.table[rows, j]
+                return j, cur, s.active & (cur == 0)
 
             def cond(carry):
                 s, _ = carry
                 n = jnp.sum(s.active)
                 fits = jnp.all(~s.active | (prompt_len + s.step - 1 < window))  # next slots inside the window
                 if paged:
-                    fits &= s.cache.top >= n
+                    fits &= s.cache.top >= jnp.sum(wanted(s)[2])
                 return (n > 0) & (n > min_active) & fits
 
             def allocate(s):
                 c = s.cache
-                j = (prompt_len + s.step - 1) // c.block
-                cur = c.table[rows, j]
-                need = s.active & (cur == 0)
+                j, cur, need = wanted(s)
                 rank = jnp.cumsum(need) - 1
                 got = c.free[jnp.clip(c.top - 1 - rank, 0, c.free.shape[0] - 1)]
                 return c._replace(table=c.table.at[rows, j].set(jnp.where(need, got, cur)),
@@ -588,7 +591,7 @@ class Sampler:
             window = next(w for w in self._windows(P, Tn) if w >= P + steps.max())
             if self.paged:
                 window = min(-(-window // self.kv_block) * self.kv_block, state.cache.valid.shape[1])
-                state = self._ensure_blocks(state, int(to_host(state.active).sum()))
+                state = self._ensure_blocks(state, self._blocks_wanted(state, P))
             state, it = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(exit_at))
             if self.paged:
                 self._count_kv(state)
@@ -659,9 +662,18 @@ class Sampler:
                            jnp.full((B, Tn), self.pad_id, jnp.int32), jnp.zeros((B, Tn), jnp.float32),
                            jnp.full(B, -1, jnp.int32), z())
 
+    @staticmethod
+    def _blocks_wanted(state: DecodeState, P: int) -> int:
+        """Blocks the next decode step takes: live rows whose next slot is in a block they do not hold."""
+        c = state.cache
+        step, active, table = to_host(state.step), to_host(state.active), to_host(c.table)
+        j = np.minimum((P + step - 1) // c.block, table.shape[1] - 1)
+        return int((active & (table[np.arange(len(step)), j] == 0)).sum())
+
     def _ensure_blocks(self, state: DecodeState, need: int) -> DecodeState:
         """Grow the pool (to the next size bucket, so few shapes compile) until `need` blocks are free; never
-        beyond the blocks a dense cache of the batch would hold (then every row can hold all its slots)."""
+        beyond the blocks a dense cache of the batch would hold (at that size a row wanting a block always
+        finds one: together the rows hold fewer than all their slots' blocks)."""
         c = state.cache
         top, N = int(to_host(c.top)), c.k.shape[1]
         if top >= need:
