@@ -132,3 +132,29 @@ def test_pool_at_the_dense_bound_when_every_row_runs_to_its_limit(tiny):
     assert (out.lengths == 64).all() and paged.stats["pool_grows"] >= 1
     block_bytes = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
     assert dense.stats["peak_kv_bytes"] < paged.stats["peak_kv_bytes"] <= dense.stats["peak_kv_bytes"] + block_bytes
+
+
+def test_episodes_of_a_task_share_their_prompt_blocks(tiny):
+    """4 tasks x 4 episodes (sampled, so the episodes differ) through 8 rows: rows with the same prompt hold
+    its whole blocks once, also when they are admitted in different refills, and the tokens and log-probs are
+    the dense cache's. 16 distinct prompts of the same lengths hold 8 rows' prompts in full."""
+    cfg, params, _ = tiny
+    tasks = random_prompts(4, cfg.vocab_size, seed=11, lo=40, hi=40)
+    shared = [p for p in tasks for _ in range(4)]
+    distinct = random_prompts(16, cfg.vocab_size, seed=12, lo=40, hi=40)
+    key, sp = jax.random.PRNGKey(6), SamplingParams(6, temperature=0.9)
+    limits = [6, 2, 4, 3] * 4
+    peak = {}
+    for name, prompts in (("shared", shared), ("distinct", distinct)):
+        paged = Sampler(cfg, pad_id=PAD, max_batch=8, min_batch=1, paged=True, kv_block=4, prefix_cache_tokens=0)
+        out = paged.generate(params, prompts, key, sp, max_new_tokens=limits)
+        ref = Sampler(cfg, pad_id=PAD, max_batch=8, min_batch=1, prefix_cache_tokens=0).generate(
+            params, prompts, key, sp, max_new_tokens=limits)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+        assert paged.stats["refills"] >= 1
+        peak[name] = paged.stats["peak_kv_live_bytes"]
+    # A 40-token prompt fills 10 blocks of 4 before slot P = 48, a completion 1 or 2 more: 8 rows of distinct
+    # prompts hold at least 8 x 11 blocks at once; shared ones at most 4 tasks x 10 + 8 x 2 (refills mix tasks).
+    block_bytes = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert peak["distinct"] >= 8 * 11 * block_bytes and peak["shared"] <= (4 * 10 + 8 * 2) * block_bytes, peak

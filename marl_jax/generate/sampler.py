@@ -17,8 +17,10 @@ for 256 rollout rows and max_batch 64, a quarter of a dense cache for every row.
 KV memory, paged (`paged=True`): keys and values live in a pool of `kv_block`-slot blocks (PagedCache);
 a row holds a block only where it has tokens: the blocks its prompt fills when it is admitted, then one
 more each time its completion enters a new block (popped from a free stack inside the jitted loop), all
-returned when it is harvested. Blocks held at any time <= sum over live rows of (prompt blocks + 1 +
-tokens generated / kv_block); the pool grows (in 1.5x steps, so few shapes compile) when the free
+returned when it is harvested. Rows with the same prompt (a task's episodes) share the prompt's blocks
+that lie wholly before the first completion slot, counted per row and returned with the last one. Blocks
+held at any time <= sum over live distinct prompts of their blocks + sum over live rows of (1 + tokens
+generated / kv_block + 1); the pool grows (in 1.5x steps, so few shapes compile) when the free
 blocks could run out on the next step, and never beyond the dense cache's B x (P + Tn) slots. Attention
 gathers each row's blocks through its block table, so a row reads only its own blocks (and the null
 block, masked, where it holds none). Compaction moves block-table rows, not keys and values. On this
@@ -655,6 +657,10 @@ class Sampler:
         T = -(-(P + Tn) // blk) * blk
         # A first pool for the prompts and a block of growth per row; it grows as rows need more.
         self._pool_rows = B
+        # Host bookkeeping of shared prompt blocks: rows holding each, the blocks of each prompt, their prompt.
+        self._refs: dict[int, int] = {}
+        self._shared: dict[tuple, dict[int, int]] = {}
+        self._block_key: dict[int, tuple] = {}
         blocks = min(_batch_bucket(1 + B * (-(-P // blk) + 1), 16), 1 + B * (T // blk))
         cache = decoder.init_paged(self.cfg, blocks, blk, B, T, self.dtype)
         z = lambda: jnp.zeros(B, jnp.int32)  # distinct buffers: the state is donated
@@ -712,29 +718,46 @@ class Sampler:
             filled[:cached] = True
             filled[P - (len(p) - cached):P] = True
             spans.append(np.flatnonzero(filled.reshape(M, blk).any(1)))
-        state = self._ensure_blocks(state, sum(map(len, spans)))
+        # Rows with the same prompt (a task's episodes) share its blocks that lie wholly before slot P, which
+        # no row writes again; the block holding slot P, where completions start, is each row's own.
+        whole = P // blk
+        fresh = {(tuple(p), int(j)) for p, js in zip(prompts, spans) for j in js
+                 if j < whole and j not in self._shared.get(tuple(p), {})}
+        state = self._ensure_blocks(state, len(fresh) + sum(int((js >= whole).sum()) for js in spans))
         c = state.cache
         free = list(to_host(c.free)[:int(to_host(c.top))])
         table = np.zeros((Bg, M), np.int32)
-        for u, js in enumerate(spans):
+        write = np.zeros((Bg, M), np.int32)  # blocks this call fills (not those earlier rows filled and hold)
+        for u, (p, js) in enumerate(zip(prompts, spans)):
+            mine = self._shared.setdefault(tuple(p), {})
             for j in js:
-                table[u, j] = free.pop()
+                if j >= whole:
+                    table[u, j] = write[u, j] = free.pop()
+                    continue
+                if j not in mine:
+                    mine[j] = free.pop()
+                    self._block_key[mine[j]] = tuple(p)
+                if (tuple(p), int(j)) in fresh:  # filled by this call's prefill (identical for every row)
+                    write[u, j] = mine[j]
+                table[u, j] = mine[j]
+                self._refs[mine[j]] = self._refs.get(mine[j], 0) + 1
         f = np.zeros(c.free.shape[0], np.int32)
         f[:len(free)] = free
         state = state._replace(cache=c._replace(free=jnp.asarray(f), top=jnp.int32(len(free))))
         to = np.full(Bg, state.active.shape[0], np.int32)
         to[:n] = dest
-        return self._paged_insert_fn()(state, new, jnp.asarray(to), jnp.asarray(table))
+        return self._paged_insert_fn()(state, new, jnp.asarray(to), jnp.asarray(table), jnp.asarray(write))
 
     def _paged_insert_fn(self):
         """Rows of a freshly prefilled dense state (prompt slots only) into rows `dest` of the paged state
-        (dest = B: dropped), their prompt keys and values into the blocks of their new table rows."""
+        (dest = B: dropped), their prompt keys and values into the blocks `write` names (a shared block that
+        earlier rows filled and still read is not written again)."""
         if "paged_insert" not in self._fns:
-            def insert(state: DecodeState, new: DecodeState, dest, table):
+            def insert(state: DecodeState, new: DecodeState, dest, table, write):
                 c, nc = state.cache, new.cache
                 Bg, P = nc.valid.shape
                 j = jnp.arange(P)
-                blocks = table[:, j // c.block]  # [Bg, P]; slots without a block write the null block
+                blocks = write[:, j // c.block]  # [Bg, P]; slots without a block write the null block
                 off = jnp.broadcast_to(j % c.block, (Bg, P))
                 k = c.k.at[:, blocks, off].set(nc.k.transpose(0, 1, 4, 2, 3).astype(c.k.dtype))
                 v = c.v.at[:, blocks, off].set(nc.v.transpose(0, 1, 3, 2, 4).astype(c.v.dtype))
@@ -745,24 +768,34 @@ class Sampler:
             self._fns["paged_insert"] = jax.jit(insert, donate_argnums=(0,))
         return self._fns["paged_insert"]
 
-    @staticmethod
-    def _check_blocks(state: DecodeState):
-        """Every block but the null one is either free or held by exactly one row: none leaked, none shared."""
+    def _check_blocks(self, state: DecodeState):
+        """Every block but the null one is either free or held, by one row or, a shared prompt block, by as
+        many rows as its count says: none leaked, none shared by mistake."""
         c = state.cache
         held = to_host(c.table)
-        held = held[held > 0]
+        held, count = np.unique(held[held > 0], return_counts=True)
         free = to_host(c.free)[:int(to_host(c.top))]
         both = np.concatenate([held, free])
-        if len(both) != c.k.shape[1] - 1 or set(both.tolist()) != set(range(1, c.k.shape[1])):
+        shared_ok = all(self._refs.get(int(b), 1) == k for b, k in zip(held, count))
+        if (len(both) != c.k.shape[1] - 1 or set(both.tolist()) != set(range(1, c.k.shape[1]))
+                or not shared_ok):
             raise RuntimeError(f"paged KV bookkeeping broken: {len(held)} blocks held, {len(free)} free, "
-                               f"pool of {c.k.shape[1] - 1}")
+                               f"pool of {c.k.shape[1] - 1}, shared counts {'ok' if shared_ok else 'wrong'}")
 
     def _release(self, state: DecodeState, done: np.ndarray) -> DecodeState:
         """Paged: harvested rows give their blocks back and become fillers (row id -1)."""
         c = state.cache
         table = to_host(c.table).copy()
         top = int(to_host(c.top))
-        freed = table[done][table[done] > 0]
+        freed = []
+        for b in table[done][table[done] > 0].tolist():
+            if b in self._refs:  # a shared prompt block goes back when its last row does
+                self._refs[b] -= 1
+                if self._refs[b]:
+                    continue
+                del self._refs[b]
+                self._shared.pop(self._block_key.pop(b), None)
+            freed.append(b)
         free = np.zeros(c.free.shape[0], np.int32)
         free[:top] = to_host(c.free)[:top]
         free[top:top + len(freed)] = freed
