@@ -64,3 +64,30 @@ def test_killed_run_resumes_to_the_same_metrics_and_parameters(policy, prompt_di
 
     for x, y in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_restart_without_a_checkpoint_drops_the_dead_attempts_records(prompt_dir, tmp_path):
+    """A run killed before its first checkpoint leaves metrics but nothing to restore: the next start runs
+    from step 0 and must not keep the old records (each step once, and the end-of-run summary is written)."""
+    import json
+
+    from marl_jax.models.tiny import tiny_model
+    from marl_jax.train.loop import Trainer
+    from test_learning import digit_tasks, learning_config, tiny_tokenizer
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    stale = [{"step": s, "val/success": 0.5, "stale": 1.0} for s in range(4)]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
+    c = learning_config("shared", prompt_dir)
+    c.num_tasks, c.rollout.group_size = 2, 2
+    c.task.update(size=20, val_size=2)
+    c.train.update(steps=2, val_every=10, ckpt_every=10, tensorboard=False)
+    out = Trainer(c, str(workdir), model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(22),
+                  progress=False).run()  # the end-of-run cliff check refused repeated steps before
+    recs = read_metrics(workdir)
+    assert not any("stale" in r for r in recs)
+    for key in ("loss", "val/success"):
+        steps = [r["step"] for r in recs if key in r]
+        assert steps and steps == sorted(set(steps)), (key, steps)
+    assert out["table"]

@@ -27,7 +27,7 @@ from marl_jax.tasks.data import task_batches
 from marl_jax.train.build import Runtime, build
 from marl_jax.train.checkpoint import Checkpointer, ConfigChangedError, RESUMABLE_KEYS, config_changes
 from marl_jax.train.cliff import CliffMonitor, detect_cliff
-from marl_jax.train.metrics import MetricsWriter, read_metrics
+from marl_jax.train.metrics import MetricsWriter, metrics_path, read_metrics
 from marl_jax.train.rundir import RunDir
 from marl_jax.workflows.rollout import run_episodes
 
@@ -172,8 +172,11 @@ class Trainer:
             self.monitor.load_state(meta["cliff"])
             self.start_step = latest
         # One writer per run: on several hosts every process computes the same records; process 0 writes them.
+        # Without a checkpoint the run starts at step 0, so the records of an earlier attempt that died before
+        # its first checkpoint are dropped (kept, those steps would appear twice and the summary would refuse).
+        restart = latest is None and os.path.isfile(metrics_path(workdir))
         self.writer = (MetricsWriter(workdir, tensorboard=config.train.tensorboard,
-                                    resume_step=self.start_step if latest is not None else None)
+                                    resume_step=self.start_step if latest is not None else (-1 if restart else None))
                        if jax.process_index() == 0 else _NoWriter())
 
     def _ckpt_state(self):
