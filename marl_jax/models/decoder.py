@@ -397,9 +397,9 @@ class Block(_Sharded):
             blocks = jnp.take_along_axis(table, slots // blk, axis=1)
             k_pool = k_pool.at[i, blocks, slots % blk].set(k.astype(k_pool.dtype))
             v_pool = v_pool.at[i, blocks, slots % blk].set(v.astype(v_pool.dtype))
-            read = table[:, :W // blk]
-            k_all = jnp.take(k_pool[i], read, axis=0).reshape(B, W, H, hd).astype(q.dtype)
-            v_all = jnp.take(v_pool[i], read, axis=0).reshape(B, W, H, hd).astype(q.dtype)
+            read = table[:, :W // blk]  # one gather from the whole pool: slicing layer i out first copies it
+            k_all = k_pool[i, read].reshape(B, W, H, hd).astype(q.dtype)
+            v_all = v_pool[i, read].reshape(B, W, H, hd).astype(q.dtype)
             a = attention(q, k_all, v_all, mask)
             k_cache, v_cache = k_pool, v_pool
         elif self.cached:
