@@ -52,7 +52,38 @@ def main():
                 "same": a.tokens.tolist() == ref[0].tokens.tolist(),
                 "same_extended": b.tokens.tolist() == ref[1].tokens.tolist(),
                 "lora_same": c.tokens.tolist() == ref[2].tokens.tolist(), "refills": refills, "cached_tokens": cached}
+    out["paged_locality"] = paged_locality(params, prompts, greedy, key)
     print("RESULT " + json.dumps(out))
+
+
+def paged_locality(params, prompts, greedy, key):
+    """On a data-split mesh: how many shards of the paged pool one device holds, and the largest collective
+    (elements) in the compiled decode program against the elements of one layer of the pool."""
+    import re
+
+    mesh = sharding.make_mesh(8, 1, fsdp=1)
+    s = Sampler(CFG, mesh=mesh, max_batch=8, paged=True, kv_block=8)
+    seen = {}
+    build = s._decode_fn
+
+    def spy(sp, P, window):
+        f = build(sp, P, window)
+
+        def g(*args):
+            seen.setdefault("hlo", f.lower(*args).compile().as_text())
+            res = f(*args)
+            seen["k"] = res[0].cache.k
+            return res
+        return g
+
+    s._decode_fn = spy
+    s.generate(sharding.shard_params(params, mesh), prompts, key, greedy)
+    k = seen["k"]
+    sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+             for dims in re.findall(r"= \(?[a-z0-9]+\[([0-9,]*)\][^ ]* (?:all-gather|all-reduce|all-to-all|"
+                                    r"collective-permute|reduce-scatter)", seen["hlo"])]
+    return {"pool_shards": k.shape[1], "shards_per_device": k.addressable_shards[0].data.shape[1],
+            "largest_collective": max(sizes, default=0), "pool_layer_elems": int(np.prod(k.shape[1:]))}
 
 
 if __name__ == "__main__":

@@ -92,6 +92,10 @@ def test_continuous_and_prefix_cache_on_a_mesh():
     report = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert report["devices"] == 8
     assert sum(m.endswith("-paged") for m in report["meshes"]) == 3, report
+    # Paged on 8 data shards: each device holds one shard of the pool, and decode moves no pool-sized data.
+    loc = report["paged_locality"]
+    assert loc["pool_shards"] == 8 and loc["shards_per_device"] == 1, loc
+    assert 0 < loc["largest_collective"] * 20 < loc["pool_layer_elems"], loc
     for mesh, r in report["meshes"].items():
         assert r["refills"] >= 1 and r["cached_tokens"] > 0, mesh
         assert r["same"] and r["same_extended"] and r["lora_same"], (mesh, r)

@@ -25,8 +25,10 @@ blocks could run out on the next step, and never beyond the dense cache's B x (P
 gathers each row's blocks through its block table, so a row reads only its own blocks (and the null
 block, masked, where it holds none). Compaction moves block-table rows, not keys and values. On this
 CPU the gather makes decode ~15% slower than the dense cache, so it is off by default; it is what to
-turn on when the dense cache does not fit. Under a mesh the pool's heads are split over "model" and
-its blocks are replicated over the data axes.
+turn on when the dense cache does not fit. Under a mesh the pool has a part per row shard (the devices
+rows are split over): a row's blocks come from its shard's part, reads and writes are vmapped over the
+shard axis so that each device touches only its own blocks (no pool-sized collective), compaction keeps
+rows in their shard, and KV heads are split over "model".
 
 The prefix cache (PrefixCache) adds a fixed `prefix_cache_tokens` slots of keys and values.
 
@@ -384,8 +386,8 @@ class Sampler:
             or compacts) or a live row's next cache slot leaves the attention window. Each row counts its
             own tokens (`step` [B]), so rows that joined later decode beside older ones.
 
-            Paged cache: a live row entering a block it does not hold yet pops one from the free stack;
-            the loop also exits when the stack cannot serve the next step (the host grows the pool)."""
+            Paged cache: a live row entering a block it does not hold yet pops one from its shard's free
+            stack; the loop also exits when a stack cannot serve the next step (the host grows the pool)."""
             params, lo = self._select(params, trainable, slot)
             B, Tn = state.out_tokens.shape
             rows = jnp.arange(B)
@@ -401,16 +403,18 @@ class Sampler:
                 n = jnp.sum(s.active)
                 fits = jnp.all(~s.active | (prompt_len + s.step - 1 < window))  # next slots inside the window
                 if paged:
-                    fits &= s.cache.top >= jnp.sum(wanted(s)[2])
+                    fits &= jnp.all(s.cache.top >= wanted(s)[2].reshape(s.cache.shards, -1).sum(1))
                 return (n > 0) & (n > min_active) & fits
 
             def allocate(s):
                 c = s.cache
                 j, cur, need = wanted(s)
-                rank = jnp.cumsum(need) - 1
-                got = c.free[jnp.clip(c.top - 1 - rank, 0, c.free.shape[0] - 1)]
+                need2 = need.reshape(c.shards, -1)  # rows by shard: each pops from its own stack
+                rank = jnp.cumsum(need2, axis=1) - 1
+                at = jnp.clip(c.top[:, None] - 1 - rank, 0, c.free.shape[1] - 1)
+                got = jnp.take_along_axis(c.free, at, axis=1).reshape(-1)
                 return c._replace(table=c.table.at[rows, j].set(jnp.where(need, got, cur)),
-                                  top=c.top - jnp.sum(need, dtype=jnp.int32))
+                                  top=c.top - jnp.sum(need2, axis=1, dtype=jnp.int32))
 
             def body(carry):
                 s, it = carry
@@ -581,6 +585,7 @@ class Sampler:
         slot = jnp.int32(slot)
         t0 = time.perf_counter()
         steps = np.ones(B, np.int32)
+        stuck = None  # paged over several shards: live rows that could not be compacted (one shard too full)
         while True:
             B = state.active.shape[0]
             self._count_kv(state)
@@ -588,6 +593,8 @@ class Sampler:
                 exit_at = B - max(1, B // 8)
             elif self.compaction:  # exit to compact once the live rows fit the next smaller bucket
                 exit_at = _next_smaller_bucket(B, self.min_batch, self.data_size)
+                if stuck is not None:
+                    exit_at = min(exit_at, stuck - 1)
             else:
                 exit_at = 0
             window = next(w for w in self._windows(P, Tn) if w >= P + steps.max())
@@ -632,10 +639,17 @@ class Sampler:
                 continue
             # Compact: live rows first, then fillers, into the next smaller bucket.
             live = np.flatnonzero(active)
-            newB = _batch_bucket(len(live), self.min_batch, self.data_size)
-            fill = np.flatnonzero(~active)[: newB - len(live)]
-            idx = np.concatenate([live, fill]).astype(np.int32)
-            keep = np.arange(newB) < len(live)
+            if self.paged and state.cache.shards > 1:
+                idx, keep = self._compact_by_shard(active, state.cache.shards)
+                if idx is None:  # a shard holds too many live rows: decode on until another row finishes
+                    stuck = len(live)
+                    continue
+                stuck, newB = None, len(idx)
+            else:
+                newB = _batch_bucket(len(live), self.min_batch, self.data_size)
+                fill = np.flatnonzero(~active)[: newB - len(live)]
+                idx = np.concatenate([live, fill]).astype(np.int32)
+                keep = np.arange(newB) < len(live)
             state = self._gather_fn()(state, jnp.asarray(idx), jnp.asarray(keep))
             steps = steps[idx]
             self.stats["compactions"] += 1
@@ -646,71 +660,104 @@ class Sampler:
         c = state.cache
         self.stats["peak_kv_bytes"] = max(self.stats["peak_kv_bytes"], c.k.nbytes + c.v.nbytes)
         if isinstance(c, PagedCache):
-            N = c.k.shape[1]
-            used = N - 1 - int(to_host(c.top))
+            D, N = c.shards, c.k.shape[2]
+            used = int((N - 1 - to_host(c.top)).sum())
             self.stats["peak_kv_live_bytes"] = max(self.stats.get("peak_kv_live_bytes", 0),
-                                                   (c.k.nbytes + c.v.nbytes) * used // N)
+                                                   (c.k.nbytes + c.v.nbytes) * used // (D * N))
+
+    def _compact_by_shard(self, active: np.ndarray, D: int):
+        """Compaction that keeps every row in its shard (its blocks are there): (idx, keep) into the next
+        bucket whose shards hold each shard's live rows, or (None, None) when no smaller bucket does."""
+        B = len(active)
+        per = active.reshape(D, B // D)
+        newB = _batch_bucket(max(int(per.sum(1).max()) * D, int(active.sum())), self.min_batch, D)
+        if newB >= B:
+            return None, None
+        idx = []
+        for d in range(D):
+            rows = d * (B // D) + np.concatenate([np.flatnonzero(per[d]), np.flatnonzero(~per[d])])
+            idx.append(rows[: newB // D])
+        idx = np.concatenate(idx).astype(np.int32)
+        return idx, active[idx]
 
     # ---- paged KV (Sampler(paged=True)) ----
     def _empty_paged(self, B: int, P: int, Tn: int, sp: SamplingParams) -> DecodeState:
-        blk = self.kv_block
+        blk, D = self.kv_block, self.data_size
         T = -(-(P + Tn) // blk) * blk
-        # A first pool for the prompts and a block of growth per row; it grows as rows need more.
-        self._pool_rows = B
-        # Host bookkeeping of shared prompt blocks: rows holding each, the blocks of each prompt, their prompt.
-        self._refs: dict[int, int] = {}
+        # Per shard, a first pool for its rows' prompts and a block of growth per row; it grows as rows need
+        # more, never beyond a dense cache of the shard's rows.
+        self._pool_rows = B // D
+        blocks = min(_batch_bucket(1 + B // D * (-(-P // blk) + 1), 16), 1 + B // D * (T // blk))
+        # Host bookkeeping of shared prompt blocks, by (shard, block): rows holding each, and the blocks of
+        # each (shard, prompt).
+        self._refs: dict[tuple, int] = {}
         self._shared: dict[tuple, dict[int, int]] = {}
-        self._block_key: dict[int, tuple] = {}
-        blocks = min(_batch_bucket(1 + B * (-(-P // blk) + 1), 16), 1 + B * (T // blk))
-        cache = decoder.init_paged(self.cfg, blocks, blk, B, T, self.dtype)
+        self._block_key: dict[tuple, tuple] = {}
+        cache = decoder.init_paged(self.cfg, blocks, blk, B, T, D, self.dtype)
         z = lambda: jnp.zeros(B, jnp.int32)  # distinct buffers: the state is donated
         return DecodeState(cache, z(), z(), jnp.ones(B, jnp.int32), jnp.zeros(B, bool),
                            jnp.full((B, Tn), self.pad_id, jnp.int32), jnp.zeros((B, Tn), jnp.float32),
                            jnp.full(B, -1, jnp.int32), z())
 
     @staticmethod
-    def _blocks_wanted(state: DecodeState, P: int) -> int:
-        """Blocks the next decode step takes: live rows whose next slot is in a block they do not hold."""
+    def _blocks_wanted(state: DecodeState, P: int) -> np.ndarray:
+        """Blocks the next decode step takes, per shard: live rows whose next slot is in a block they do not hold."""
         c = state.cache
         step, active, table = to_host(state.step), to_host(state.active), to_host(c.table)
         j = np.minimum((P + step - 1) // c.block, table.shape[1] - 1)
-        return int((active & (table[np.arange(len(step)), j] == 0)).sum())
+        need = active & (table[np.arange(len(step)), j] == 0)
+        return need.reshape(c.shards, -1).sum(1)
 
-    def _ensure_blocks(self, state: DecodeState, need: int) -> DecodeState:
-        """Grow the pool (to the next size bucket, so few shapes compile) until `need` blocks are free; never
-        beyond the blocks a dense cache of the batch would hold (at that size a row wanting a block always
-        finds one: together the rows hold fewer than all their slots' blocks)."""
+    @staticmethod
+    def _free_lists(c: PagedCache) -> list[list[int]]:
+        free, top = to_host(c.free), to_host(c.top)
+        return [free[d, :top[d]].tolist() for d in range(c.shards)]
+
+    @staticmethod
+    def _with_free(c: PagedCache, lists: list[list[int]]) -> PagedCache:
+        free = np.zeros(c.free.shape, np.int32)
+        for d, f in enumerate(lists):
+            free[d, :len(f)] = f
+        return c._replace(free=jnp.asarray(free), top=jnp.asarray(np.array([len(f) for f in lists], np.int32)))
+
+    def _ensure_blocks(self, state: DecodeState, need) -> DecodeState:
+        """Grow the pool (to the next size bucket, so few shapes compile) until every shard has `need[d]` blocks
+        free; never beyond the blocks a dense cache of a shard's rows would hold (at that size a row wanting a
+        block always finds one: together the rows hold fewer than all their slots' blocks)."""
         c = state.cache
-        top, N = int(to_host(c.top)), c.k.shape[1]
-        if top >= need:
+        need = np.broadcast_to(np.asarray(need), (c.shards,))
+        top, N = to_host(c.top), c.k.shape[2]
+        if (top >= need).all():
             return state
         full = 1 + self._pool_rows * c.table.shape[1]
-        newN = min(_batch_bucket(N + max(need - top, N // 2), 16), full)
-        if newN - N + top < need:
-            raise RuntimeError(f"paged KV pool cannot hold {need} more blocks ({N} of at most {full})")
-        free = np.zeros(newN, np.int32)
-        free[:newN - N + top] = np.concatenate([np.arange(newN - 1, N - 1, -1), to_host(c.free)[:top]])
+        newN = min(_batch_bucket(N + max(int((need - top).max()), N // 2), 16), full)
+        if (newN - N + top < need).any():
+            raise RuntimeError(f"paged KV pool cannot hold {need.tolist()} more blocks ({N} per shard, at most {full})")
+        lists = [list(range(newN - 1, N - 1, -1)) + f for f in self._free_lists(c)]
         k, v = self._grow_fn(newN)(c.k, c.v)
         self.stats["pool_grows"] += 1
-        return state._replace(cache=c._replace(k=k, v=v, free=jnp.asarray(free), top=jnp.int32(newN - N + top)))
+        return state._replace(cache=self._with_free(c._replace(k=k, v=v, free=jnp.zeros((c.shards, newN), jnp.int32)),
+                                                    lists))
 
     def _grow_fn(self, N: int):
         key_ = ("grow", N)
         if key_ not in self._fns:
             def grow(k, v):
-                pad = lambda x: jnp.concatenate([x, jnp.zeros(x.shape[:1] + (N - x.shape[1],) + x.shape[2:], x.dtype)], 1)
+                pad = lambda x: jnp.concatenate([x, jnp.zeros(x.shape[:2] + (N - x.shape[2],) + x.shape[3:], x.dtype)], 2)
                 return pad(k), pad(v)
             self._fns[key_] = jax.jit(grow)
         return self._fns[key_]
 
     def _admit(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, dest, state, key):
-        """Paged: prefill `prompts` (a dense cache of the prompt slots only), give each row blocks for the
-        slots its prompt fills, and write the rows into batch rows `dest` of the running state."""
+        """Paged: prefill `prompts` (a dense cache of the prompt slots only), give each row blocks of its shard
+        for the slots its prompt fills, and write the rows into batch rows `dest` of the running state."""
         P, blk, n = plan["P"], self.kv_block, len(prompts)
         Bg = _batch_bucket(n, 1, self.data_size)
         new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts, row_ids, limits, Bg, key,
                             cache_len=P)
-        M = state.cache.table.shape[1]
+        c = state.cache
+        B, M, D = state.active.shape[0], c.table.shape[1], c.shards
+        shard = np.asarray(dest) // (B // D)
         spans = []
         for r, p in zip(row_ids, prompts):
             cached, _ = self._layout[int(r)]
@@ -718,49 +765,65 @@ class Sampler:
             filled[:cached] = True
             filled[P - (len(p) - cached):P] = True
             spans.append(np.flatnonzero(filled.reshape(M, blk).any(1)))
-        # Rows with the same prompt (a task's episodes) share its blocks that lie wholly before slot P, which
-        # no row writes again; the block holding slot P, where completions start, is each row's own.
+        # Rows with the same prompt in the same shard (a task's episodes) share its blocks that lie wholly before
+        # slot P, which no row writes again; the block holding slot P, where completions start, is each row's own.
         whole = P // blk
-        fresh = {(tuple(p), int(j)) for p, js in zip(prompts, spans) for j in js
-                 if j < whole and j not in self._shared.get(tuple(p), {})}
-        state = self._ensure_blocks(state, len(fresh) + sum(int((js >= whole).sum()) for js in spans))
-        c = state.cache
-        free = list(to_host(c.free)[:int(to_host(c.top))])
-        table = np.zeros((Bg, M), np.int32)
-        write = np.zeros((Bg, M), np.int32)  # blocks this call fills (not those earlier rows filled and hold)
-        for u, (p, js) in enumerate(zip(prompts, spans)):
-            mine = self._shared.setdefault(tuple(p), {})
+        need = np.zeros(D, np.int64)
+        fresh = set()
+        for d, p, js in zip(shard, prompts, spans):
+            key_p = (int(d), tuple(p))
             for j in js:
                 if j >= whole:
-                    table[u, j] = write[u, j] = free.pop()
+                    need[d] += 1
+                elif j not in self._shared.get(key_p, {}) and (key_p, int(j)) not in fresh:
+                    fresh.add((key_p, int(j)))
+                    need[d] += 1
+        state = self._ensure_blocks(state, need)
+        c = state.cache
+        lists = self._free_lists(c)
+        table = np.zeros((Bg, M), np.int32)
+        write = np.zeros((Bg, M), np.int32)  # blocks this call fills (not those earlier rows filled and hold)
+        for u, (d, p, js) in enumerate(zip(shard, prompts, spans)):
+            d = int(d)
+            key_p = (d, tuple(p))
+            mine = self._shared.setdefault(key_p, {})
+            for j in js:
+                if j >= whole:
+                    table[u, j] = write[u, j] = lists[d].pop()
                     continue
                 if j not in mine:
-                    mine[j] = free.pop()
-                    self._block_key[mine[j]] = tuple(p)
-                if (tuple(p), int(j)) in fresh:  # filled by this call's prefill (identical for every row)
+                    mine[j] = lists[d].pop()
+                    self._block_key[(d, mine[j])] = key_p
+                if (key_p, int(j)) in fresh:  # filled by this call's prefill (identical for every row)
                     write[u, j] = mine[j]
                 table[u, j] = mine[j]
-                self._refs[mine[j]] = self._refs.get(mine[j], 0) + 1
-        f = np.zeros(c.free.shape[0], np.int32)
-        f[:len(free)] = free
-        state = state._replace(cache=c._replace(free=jnp.asarray(f), top=jnp.int32(len(free))))
-        to = np.full(Bg, state.active.shape[0], np.int32)
+                self._refs[(d, mine[j])] = self._refs.get((d, mine[j]), 0) + 1
+        state = state._replace(cache=self._with_free(c, lists))
+        to = np.full(Bg, B, np.int32)
         to[:n] = dest
-        return self._paged_insert_fn()(state, new, jnp.asarray(to), jnp.asarray(table), jnp.asarray(write))
+        sh = np.zeros(Bg, np.int32)
+        sh[:n] = shard
+        return self._paged_insert_fn()(state, new, jnp.asarray(to), jnp.asarray(table), jnp.asarray(write),
+                                       jnp.asarray(sh))
 
     def _paged_insert_fn(self):
         """Rows of a freshly prefilled dense state (prompt slots only) into rows `dest` of the paged state
-        (dest = B: dropped), their prompt keys and values into the blocks `write` names (a shared block that
-        earlier rows filled and still read is not written again)."""
+        (dest = B: dropped), their prompt keys and values into the blocks `write` names in their shard `shard`
+        (a shared block that earlier rows filled and still read is not written again)."""
         if "paged_insert" not in self._fns:
-            def insert(state: DecodeState, new: DecodeState, dest, table, write):
+            def insert(state: DecodeState, new: DecodeState, dest, table, write, shard):
                 c, nc = state.cache, new.cache
                 Bg, P = nc.valid.shape
                 j = jnp.arange(P)
                 blocks = write[:, j // c.block]  # [Bg, P]; slots without a block write the null block
                 off = jnp.broadcast_to(j % c.block, (Bg, P))
-                k = c.k.at[:, blocks, off].set(nc.k.transpose(0, 1, 4, 2, 3).astype(c.k.dtype))
-                v = c.v.at[:, blocks, off].set(nc.v.transpose(0, 1, 3, 2, 4).astype(c.v.dtype))
+
+                def put_kv(pool, x):  # x [L, Bg, P, H, hd]; each shard writes its own rows, the rest its null block
+                    return jax.vmap(lambda p, d: p.at[:, jnp.where(shard[:, None] == d, blocks, 0), off].set(x),
+                                    in_axes=(1, 0), out_axes=1)(pool, jnp.arange(c.shards))
+
+                k = put_kv(c.k, nc.k.transpose(0, 1, 4, 2, 3).astype(c.k.dtype))
+                v = put_kv(c.v, nc.v.transpose(0, 1, 3, 2, 4).astype(c.v.dtype))
                 valid = jnp.zeros((Bg, c.valid.shape[1]), bool).at[:, :P].set(nc.valid)
                 put = lambda x, y: x.at[dest].set(y, mode="drop")
                 cache = c._replace(k=k, v=v, table=put(c.table, table), valid=put(c.valid, valid))
@@ -769,40 +832,38 @@ class Sampler:
         return self._fns["paged_insert"]
 
     def _check_blocks(self, state: DecodeState):
-        """Every block but the null one is either free or held, by one row or, a shared prompt block, by as
-        many rows as its count says: none leaked, none shared by mistake."""
+        """In every shard, every block but the null one is either free or held, by one row or, a shared prompt
+        block, by as many rows as its count says: none leaked, none shared by mistake."""
         c = state.cache
-        held = to_host(c.table)
-        held, count = np.unique(held[held > 0], return_counts=True)
-        free = to_host(c.free)[:int(to_host(c.top))]
-        both = np.concatenate([held, free])
-        shared_ok = all(self._refs.get(int(b), 1) == k for b, k in zip(held, count))
-        if (len(both) != c.k.shape[1] - 1 or set(both.tolist()) != set(range(1, c.k.shape[1]))
-                or not shared_ok):
-            raise RuntimeError(f"paged KV bookkeeping broken: {len(held)} blocks held, {len(free)} free, "
-                               f"pool of {c.k.shape[1] - 1}, shared counts {'ok' if shared_ok else 'wrong'}")
+        D, N = c.shards, c.k.shape[2]
+        table = to_host(c.table).reshape(D, -1, c.table.shape[1])
+        for d, free in enumerate(self._free_lists(c)):
+            held, count = np.unique(table[d][table[d] > 0], return_counts=True)
+            both = np.concatenate([held, np.asarray(free, held.dtype)])
+            shared_ok = all(self._refs.get((d, int(b)), 1) == k for b, k in zip(held, count))
+            if len(both) != N - 1 or set(both.tolist()) != set(range(1, N)) or not shared_ok:
+                raise RuntimeError(f"paged KV bookkeeping broken in shard {d}: {len(held)} blocks held, "
+                                   f"{len(free)} free, pool of {N - 1}, shared counts {'ok' if shared_ok else 'wrong'}")
 
     def _release(self, state: DecodeState, done: np.ndarray) -> DecodeState:
-        """Paged: harvested rows give their blocks back and become fillers (row id -1)."""
+        """Paged: harvested rows give their blocks back to their shard and become fillers (row id -1)."""
         c = state.cache
         table = to_host(c.table).copy()
-        top = int(to_host(c.top))
-        freed = []
-        for b in table[done][table[done] > 0].tolist():
-            if b in self._refs:  # a shared prompt block goes back when its last row does
-                self._refs[b] -= 1
-                if self._refs[b]:
-                    continue
-                del self._refs[b]
-                self._shared.pop(self._block_key.pop(b), None)
-            freed.append(b)
-        free = np.zeros(c.free.shape[0], np.int32)
-        free[:top] = to_host(c.free)[:top]
-        free[top:top + len(freed)] = freed
+        lists = self._free_lists(c)
+        per = len(table) // c.shards
+        for r in np.flatnonzero(done):
+            d = int(r) // per
+            for b in table[r][table[r] > 0].tolist():
+                if (d, b) in self._refs:  # a shared prompt block goes back when its last row does
+                    self._refs[(d, b)] -= 1
+                    if self._refs[(d, b)]:
+                        continue
+                    del self._refs[(d, b)]
+                    self._shared.pop(self._block_key.pop((d, b)), None)
+                lists[d].append(b)
         table[done] = 0
         rid = np.where(done, -1, to_host(state.row_id)).astype(np.int32)
-        return state._replace(row_id=jnp.asarray(rid), cache=c._replace(
-            table=jnp.asarray(table), free=jnp.asarray(free), top=jnp.int32(top + len(freed))))
+        return state._replace(row_id=jnp.asarray(rid), cache=self._with_free(c._replace(table=jnp.asarray(table)), lists))
 
     @staticmethod
     def _windows(P: int, Tn: int) -> tuple[int, ...]:
@@ -873,10 +934,17 @@ class Sampler:
     def _store_fn(self):
         if "store" not in self._fns:
             def store(pk, pv, cache, rows, slots, dst):
-                if isinstance(cache, PagedCache):  # a row's slot lives in the block its table names
+                if isinstance(cache, PagedCache):  # a row's slot lives in its shard's block its table names
+                    D = cache.shards
+                    shard = rows // (cache.table.shape[0] // D)
                     blocks, off = cache.table[rows, slots // cache.block], slots % cache.block
-                    k = cache.k[:, blocks, off].transpose(1, 0, 2, 3)  # [M, L, H, hd]
-                    v = cache.v[:, blocks, off].transpose(1, 0, 2, 3)
+
+                    def take(pool):  # each shard reads its rows (the rest its null block), then one sum over shards
+                        parts = jax.vmap(lambda p, d: jnp.where((shard == d)[None, :, None, None],
+                                                                p[:, jnp.where(shard == d, blocks, 0), off], 0),
+                                         in_axes=(1, 0))(pool, jnp.arange(D))
+                        return parts.sum(0).transpose(1, 0, 2, 3)  # [M, L, H, hd]
+                    k, v = take(cache.k), take(cache.v)
                 else:
                     k = cache.k[:, rows, :, :, slots]  # [M, L, H, hd]
                     v = cache.v[:, rows, :, slots, :]  # [M, L, H, hd]

@@ -220,14 +220,16 @@ KV_AXES = KVCache(("layers", "batch", "act_kv_heads", None, None), ("layers", "b
 
 
 class PagedCache(NamedTuple):
-    """A paged KV cache: keys and values live in a pool of N blocks of `blk` slots (k, v
-    [L, N, blk, Hkv, hd]) and row b's slot j is slot j % blk of block table[b, j // blk] ([B, M], so a
-    row addresses M * blk slots). Rows hold blocks only where they have tokens: memory follows the
-    live tokens, not rows x maximum length. Block 0 is the null block: unallocated table entries point
-    there, it is never marked valid, and rows with nothing to write scribble on it.
+    """A paged KV cache: keys and values live in a pool of blocks of `blk` slots, one pool part per row
+    shard (k, v [L, D, N, blk, Hkv, hd]: D the devices rows are split over, 1 without a mesh, N blocks
+    each). Row b belongs to shard b // (B / D), and its slot j is slot j % blk of that shard's block
+    table[b, j // blk] ([B, M], so a row addresses M * blk slots). Rows hold blocks only where they have
+    tokens: memory follows the live tokens, not rows x maximum length, and each device keeps its own
+    rows' blocks. Block 0 of each shard is its null block: unallocated table entries point there, it is
+    never marked valid, and rows with nothing to write scribble on it.
 
-    free [N] / top (): the free blocks are free[:top] (a stack the decode loop pops from as rows grow).
-    valid [B, M * blk] as in KVCache."""
+    free [D, N] / top [D]: shard d's free blocks are free[d, :top[d]] (a stack the decode loop pops from
+    as rows grow). valid [B, M * blk] as in KVCache."""
 
     k: jax.Array
     v: jax.Array
@@ -238,27 +240,52 @@ class PagedCache(NamedTuple):
 
     @property
     def block(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
+
+    @property
+    def shards(self) -> int:
+        return self.k.shape[1]
 
     def map_batch(self, fn) -> "PagedCache":
-        """Rows move by their block tables; the pool stays where it is."""
+        """Rows move by their block tables; the pool stays where it is (callers keep rows in their shard)."""
         return self._replace(table=fn(self.table, 0), valid=fn(self.valid, 0))
 
 
-PAGED_AXES = PagedCache(("layers", None, None, "act_kv_heads", None), ("layers", None, None, "act_kv_heads", None),
-                        ("batch", None), ("batch", None), (None,), ())
+PAGED_AXES = PagedCache(("layers", "batch", None, None, "act_kv_heads", None),
+                        ("layers", "batch", None, None, "act_kv_heads", None),
+                        ("batch", None), ("batch", None), ("batch", None), ("batch",))
 
 
-def init_paged(cfg: ModelConfig, blocks: int, block: int, batch: int, length: int, dtype=jnp.float32) -> PagedCache:
-    """An empty pool of `blocks` blocks (block 0 the null block) for `batch` rows of `length` slots."""
+def init_paged(cfg: ModelConfig, blocks: int, block: int, batch: int, length: int, shards: int = 1,
+               dtype=jnp.float32) -> PagedCache:
+    """An empty pool of `blocks` blocks per shard (block 0 the null block) for `batch` rows of `length` slots."""
     if length % block:
         raise ValueError(f"paged cache length {length} is not a multiple of the block size {block}")
+    if batch % shards:
+        raise ValueError(f"paged cache rows ({batch}) must split evenly over {shards} shards")
     L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    free = np.zeros(blocks, np.int32)
-    free[:blocks - 1] = np.arange(blocks - 1, 0, -1)  # popped from the top: 1, 2, ... first
-    return PagedCache(jnp.zeros((L, blocks, block, H, d), dtype), jnp.zeros((L, blocks, block, H, d), dtype),
+    free = np.zeros((shards, blocks), np.int32)
+    free[:, :blocks - 1] = np.arange(blocks - 1, 0, -1)  # popped from the top: 1, 2, ... first
+    shape = (L, shards, blocks, block, H, d)
+    return PagedCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                       jnp.zeros((batch, length // block), jnp.int32), jnp.zeros((batch, length), bool),
-                      jnp.asarray(free), jnp.int32(blocks - 1))
+                      jnp.asarray(free), jnp.full((shards,), blocks - 1, jnp.int32))
+
+
+def paged_write(pool: jax.Array, layer, blocks: jax.Array, offsets: jax.Array, values: jax.Array) -> jax.Array:
+    """pool [L, D, N, blk, ...] with values [B, S, ...] written at layer `layer`, each row's shard's blocks
+    [B, S] and offsets [B, S]. A vmap over the shard axis: the scatter is partitioned shard by shard."""
+    D = pool.shape[1]
+    split = lambda x: x.reshape((D, x.shape[0] // D) + x.shape[1:])
+    return jax.vmap(lambda p, b, o, x: p.at[layer, b, o].set(x.astype(p.dtype)), in_axes=(1, 0, 0, 0),
+                    out_axes=1)(pool, split(blocks), split(offsets), split(values))
+
+
+def paged_read(pool: jax.Array, layer, blocks: jax.Array) -> jax.Array:
+    """Each row's blocks [B, nb] of layer `layer` from its shard's pool: [B, nb * blk, ...]."""
+    D, B = pool.shape[1], blocks.shape[0]
+    out = jax.vmap(lambda p, b: p[layer, b], in_axes=(1, 0))(pool, blocks.reshape(D, B // D, -1))
+    return out.reshape((B, -1) + pool.shape[4:])
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
@@ -392,15 +419,14 @@ class Block(_Sharded):
             # first W slots back through its block table.
             _, k_pool, v_pool, i = carry
             widx, table = write_index
-            H, W, blk = cfg.num_kv_heads, self.window, k_pool.shape[2]
+            W, blk = self.window, k_pool.shape[3]
             slots = widx[:, None] + jnp.arange(S)  # [B, S]
             blocks = jnp.take_along_axis(table, slots // blk, axis=1)
-            k_pool = k_pool.at[i, blocks, slots % blk].set(k.astype(k_pool.dtype))
-            v_pool = v_pool.at[i, blocks, slots % blk].set(v.astype(v_pool.dtype))
-            read = table[:, :W // blk]  # one gather from the whole pool: slicing layer i out first copies it
-            k_all = k_pool[i, read].reshape(B, W, H, hd).astype(q.dtype)
-            v_all = v_pool[i, read].reshape(B, W, H, hd).astype(q.dtype)
-            a = attention(q, k_all, v_all, mask)
+            k_pool = paged_write(k_pool, i, blocks, slots % blk, k)
+            v_pool = paged_write(v_pool, i, blocks, slots % blk, v)
+            read = table[:, :W // blk]
+            a = attention(q, paged_read(k_pool, i, read).astype(q.dtype), paged_read(v_pool, i, read).astype(q.dtype),
+                          mask)
             k_cache, v_cache = k_pool, v_pool
         elif self.cached:
             _, k_cache, v_cache, i = carry
