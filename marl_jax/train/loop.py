@@ -271,7 +271,9 @@ class Trainer:
         from marl_jax.train.summary import summary_table, write_summary
 
         recs = read_metrics(self.workdir)
-        val = [(r["step"], r["val/success"]) for r in recs if "val/success" in r]
+        # The last record of a step wins, as in the summary (a run directory written before restarts
+        # truncated their records may repeat steps).
+        val = sorted({r["step"]: r["val/success"] for r in recs if "val/success" in r}.items())
         cliff = detect_cliff([s for s, _ in val], [v for _, v in val], drop=self.c.train.cliff_drop) if val else None
         out = {"workdir": self.workdir, "cliff": cliff, "stopped_on_cliff": stopped_on_cliff}
         if stopped_on_cliff and self.c.train.restore_best_on_cliff and self.ckpt.best_step() is not None:
