@@ -10,7 +10,8 @@ Presets:
   levers     the levers of marl_jax/rl/levers.py where their mechanism applies: {voting, orch_workers} x
              Shared {baseline, balance (equal gradient-mass shares), fanout (1/k), damping (lambda 0.3)} +
              Isolated {baseline, damping} x seeds 0, 1, 2 on the cpu-small cell, validated at temperature
-             0.7 with 2 samples on each of 64 tasks at steps 0 and 6: 36 cells, about 12 minutes each here.
+             0.7 with 2 samples on each of 64 tasks at steps 0 and 6: 36 cells, 7-8 minutes each on this
+             idle 2-core machine (about 50 on a loaded one).
 
 Any field can be overridden: --matrix.seeds=0,1,2  --matrix.workflows=voting,eval_opt  --matrix.base=false
 --matrix.overrides.train.steps=16 (keys already in the preset's overrides; launch/sweep.py --set=key=value adds others).
