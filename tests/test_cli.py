@@ -50,6 +50,8 @@ def runs(tiny_dir, disagreeing_dir, tmp_path_factory):
     parity = [sys.executable, "-m", "marl_jax.models.parity"]
     commands = {
         "tiny": gen + [f"--model={tiny_dir}", *(f"--prompt={p}" for p in TINY_PROMPTS), "--max_new_tokens=8"],
+        "tiny_paged": gen + [f"--model={tiny_dir}", *(f"--prompt={p}" for p in TINY_PROMPTS), "--max_new_tokens=8",
+                             "--paged"],
         "chat": gen + ["--model=smollm2-135m-instruct", "--chat", "--prompt=What is the capital of France?",
                        "--max_new_tokens=12"],
         "parity_ok": parity + [f"--hf_dir={tiny_dir}"],
@@ -90,6 +92,12 @@ def test_generate_on_hf_folder_prints_the_greedy_completions(runs, tiny_dir):
         assert out[pos:].startswith("\n" + text), (text, out)
     n = int(re.search(r"\[(\d+) tokens in [\d.]+s", err).group(1))
     assert n == int(res.lengths.sum()) and n > 0
+
+
+def test_generate_paged_prints_the_same_completions(runs):
+    rc, out, err = runs("tiny_paged")
+    assert rc == 0, err[-3000:]
+    assert out == runs("tiny")[1]
 
 
 def test_generate_chat_on_embedded_model(runs):

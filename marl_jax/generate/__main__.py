@@ -16,6 +16,7 @@ flags.DEFINE_bool("chat", False, "Wrap each prompt as a user turn with the model
 flags.DEFINE_string("system", None, "System message (with --chat).")
 flags.DEFINE_integer("seed", 0, "PRNG seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+flags.DEFINE_bool("paged", False, "Paged KV cache (blocks held only where rows have tokens; same output).")
 FLAGS = flags.FLAGS
 
 
@@ -49,7 +50,7 @@ def main(argv):
             prompts.append(tok.encode(text))
     sp = SamplingParams(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                         top_k=FLAGS.top_k, stop_ids=tuple(tok.eos_token_ids))
-    sampler = Sampler(m.cfg, dtype=dtype, pad_id=tok.pad_id)
+    sampler = Sampler(m.cfg, dtype=dtype, pad_id=tok.pad_id, paged=FLAGS.paged)
     out = sampler.generate(params, prompts, jax.random.PRNGKey(FLAGS.seed), sp)
     for i in range(len(prompts)):
         ids, _ = out.row(i)
