@@ -14,7 +14,8 @@ A workload shaped like RL rollouts: --prompts random prompts of 8-48 tokens on a
 (2 layers, hidden 64, its LM head scaled so that greedy logits have no near-ties), each row stopped by a
 length rule at a known length: 90% after 1-63 tokens (exponential, mean ~16), 10% at --max_new_tokens. The
 sampler runs with continuous batching (--max_batch rows, refilled as rows finish); the previous
-scheme (all rows in one batch, compacted as they finish) runs too for comparison. Prints useful row-steps
+scheme (all rows in one batch, compacted as they finish) runs too for comparison, and so do the paged KV
+cache and compaction through 8 batch sizes per octave instead of 2. Prints useful row-steps
 (tokens decoded) over computed row-steps (batch rows x decode steps), peak KV-cache bytes next to what a
 dense cache for every row would hold, and `speedup=` against HF generate (batches of --hf_batch, each row
 stopped by the same rule, a batch running until its last row stops).
@@ -84,6 +85,8 @@ def longtail(args):
     for name, kw in (("continuous", dict(max_batch=args.max_batch, min_batch=1)),
                      ("continuous, paged KV", dict(max_batch=args.max_batch, min_batch=1, paged=True,
                                                    kv_block=args.kv_block)),
+                     ("continuous, 8 compaction buckets per octave", dict(max_batch=args.max_batch, min_batch=1,
+                                                                          compaction_buckets=8)),
                      ("one batch + compaction (previous)", dict(continuous=False, max_batch=max(n, 1)))):
         s = Sampler(m.cfg, pad_id=0, prefix_cache_tokens=0, **kw)
         t = time.perf_counter()
@@ -104,7 +107,7 @@ def longtail(args):
               + (f" allocated, {st['peak_kv_live_bytes'] / 2**20:.1f} MiB in blocks held by rows "
                  f"({st['pool_grows']} pool grows)" if "peak_kv_live_bytes" in st else "")
               + f" (a dense cache for all {n} rows: {dense / 2**20:.1f} MiB)")
-    a, b, c = (r[0] for r in res.values())
+    a, b, _, c = (r[0] for r in res.values())
     print(f"identical completions with and without continuous batching: {bool((a.tokens == c.tokens).all())}; "
           f"paged and dense KV: {bool((a.tokens == b.tokens).all())}")
     out, jax_wall = res["continuous"]

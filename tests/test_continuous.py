@@ -99,3 +99,20 @@ def test_continuous_and_prefix_cache_on_a_mesh():
     for mesh, r in report["meshes"].items():
         assert r["refills"] >= 1 and r["cached_tokens"] > 0, mesh
         assert r["same"] and r["same_extended"] and r["lora_same"], (mesh, r)
+
+
+def test_finer_compaction_buckets_waste_fewer_row_steps(tiny):
+    """compaction_buckets=8 (batch sizes 2^k + i 2^k / 8): the same completions as the default 2 per octave,
+    and no more computed row-steps for the same useful ones on a long-tail workload."""
+    cfg, params, _ = tiny
+    prompts = random_prompts(40, cfg.vocab_size, seed=23, lo=1, hi=20)
+    limits = np.where(np.arange(40) % 7 == 3, 32, np.random.RandomState(2).randint(1, 6, 40)).tolist()
+    key, sp = jax.random.PRNGKey(5), SamplingParams(32, temperature=0.0)
+    coarse = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=1, prefix_cache_tokens=0)
+    fine = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=1, prefix_cache_tokens=0, compaction_buckets=8)
+    a = coarse.generate(params, prompts, key, sp, max_new_tokens=limits)
+    b = fine.generate(params, prompts, key, sp, max_new_tokens=limits)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert fine.stats["useful_row_steps"] == coarse.stats["useful_row_steps"]
+    assert fine.stats["row_steps"] < coarse.stats["row_steps"], (fine.stats, coarse.stats)
+    assert fine.stats["compactions"] > coarse.stats["compactions"]

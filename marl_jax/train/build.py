@@ -106,7 +106,8 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
                       targets=parse_targets(config.trainable.targets), num_slots=max(mapping.values()) + 1)
     sampler = Sampler(model.cfg, dtype=dtype, max_batch=config.rollout.max_batch, pad_id=model.tokenizer.pad_id,
                       spec=spec, mesh=mesh, rules=rules, paged=bool(config.rollout.paged_kv),
-                      kv_block=int(config.rollout.kv_block))
+                      kv_block=int(config.rollout.kv_block),
+                      compaction_buckets=int(config.rollout.compaction_buckets))
     all_tasks = tasks if tasks is not None else load_tasks(config.task)
     train, val = split(list(all_tasks), config.task.val_size)
     return Runtime(config, model, base, mesh, rules, workflow, roles, mapping, spec, sampler, train, val,
