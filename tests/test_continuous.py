@@ -32,14 +32,18 @@ def long_tail_limits(n, T, seed=0):
     return np.where(np.arange(n) % 6 == 2, T, rng.randint(1, 6, n)).tolist()
 
 
-def test_greedy_refilled_rows_match_transformers_generate(tiny):
+@pytest.mark.parametrize("paged", [False, True])
+def test_greedy_refilled_rows_match_transformers_generate(tiny, paged):
+    """Refilled and compacted rows, with the dense and the paged KV cache, give transformers' greedy tokens."""
     cfg, params, model = tiny
     prompts = random_prompts(20, cfg.vocab_size, seed=21, lo=2, hi=20)
     limits = long_tail_limits(20, 16)
-    sampler = Sampler(cfg, pad_id=PAD, max_batch=8, min_batch=1)
+    sampler = Sampler(cfg, pad_id=PAD, max_batch=8, min_batch=1, paged=paged, kv_block=4)
     out = sampler.generate(params, prompts, jax.random.PRNGKey(0), SamplingParams(16, temperature=0.0),
                            max_new_tokens=limits)
     assert sampler.stats["refills"] >= 2 and sampler.stats["peak_kv_bytes"] > 0
+    if paged:
+        assert sampler.stats["compactions"] >= 1
     tokens, mask, _ = left_pad(prompts, PAD)
     with torch.no_grad():
         ref = model.generate(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),

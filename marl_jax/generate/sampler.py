@@ -281,7 +281,8 @@ class Sampler:
     blocks) only saves memory; turning them off gives the same completions (tests compare both ways).
     `compaction_buckets` (batch sizes per octave that compaction moves down through; 2: 2^k and 3 * 2^k)
     trades compiled programs for wasted row-steps in the tail: 8 takes the long-tail benchmark from 0.887 to
-    0.956 useful row-steps and its first call (mostly compilation) from 23 s to 51 s. `stats` holds the last call's counts: prefill and decode seconds, rows,
+    0.956 useful row-steps and its first call (mostly compilation) from 21 s to 44 s. `stats` holds the last
+    call's counts: prefill and decode seconds, rows,
     prompt tokens computed and found cached, row-steps computed and useful (tokens decoded), refills,
     compactions, peak decode-cache bytes (paged: the pool as allocated, the blocks held by rows, pool grows).
     """
@@ -595,7 +596,6 @@ class Sampler:
         stuck = None  # paged over several shards: live rows that could not be compacted (one shard too full)
         while True:
             B = state.active.shape[0]
-            self._count_kv(state)
             if waiting < len(prompts):  # exit to refill once an eighth of the rows are free
                 exit_at = B - max(1, B // 8)
             elif self.compaction:  # exit to compact once the live rows fit the next smaller bucket
@@ -609,8 +609,7 @@ class Sampler:
                 window = min(-(-window // self.kv_block) * self.kv_block, state.cache.valid.shape[1])
                 state = self._ensure_blocks(state, self._blocks_wanted(state, P))
             state, it = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(exit_at))
-            if self.paged:
-                self._count_kv(state)
+            self._count_kv(state)  # after decode: the most blocks held since the last exit
             active, steps = to_host(state.active), to_host(state.step)
             steps = np.where(active, steps, 1)
             self.stats["decode_steps"] += int(it)
