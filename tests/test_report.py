@@ -341,14 +341,14 @@ def test_bootstrap_mean_matches_the_normal_interval_and_degenerates_on_constants
         bootstrap_mean(np.zeros(5))
 
 
-def _lever_cell(root, name, variant, seed, val, finished=True, shares=None):
+def _lever_cell(root, name, variant, seed, val, finished=True, shares=None, policy="shared"):
     wd = os.path.join(root, name)
     os.makedirs(wd)
     with open(os.path.join(wd, "cell.json"), "w") as f:
-        json.dump({"name": name, "workflow": "voting", "policy": "shared", "task": "math", "model": "smollm2-135m",
+        json.dump({"name": name, "workflow": "voting", "policy": policy, "task": "math", "model": "smollm2-135m",
                    "seed": seed, "kind": "train", "overrides": {"train.steps": 2}, "variant": variant}, f)
     with open(os.path.join(wd, "config.json"), "w") as f:
-        json.dump({"workflow": "voting", "policy": "shared", "train": {"steps": 2, "seed": seed}}, f)
+        json.dump({"workflow": "voting", "policy": policy, "train": {"steps": 2, "seed": seed}}, f)
     recs = []
     for step in (1, 2):
         r = {"step": step, "loss": 0.1, "success": 0.5 * step / 2, "grad/slot0/norm": 0.1 * step,
@@ -377,9 +377,22 @@ def test_levers_report_pairs_variants_with_the_baseline_on_the_same_seeds_and_ta
                     shares={"lever/generator/share_before": 0.8, "lever/generator/share_after": 0.5,
                             "lever/aggregator/share_before": 0.2, "lever/aggregator/share_after": 0.5})
     _lever_cell(root, "bal-s2", "balance", 2, {0: dict(zip(tasks, [0.5] * 4))}, finished=False)
+    # Isolated-Policy baseline on seed 1 only (and an extra task): SP - IP is paired on seed 1's 4 tasks
+    ip = [0.0, 0.0, 0.5, 0.5]
+    _lever_cell(root, "ip-s1", "baseline", 1, {0: dict(zip(tasks + ["t9"], [0.25] * 5)),
+                                               2: dict(zip(tasks + ["t9"], ip + [1.0]))}, policy="isolated")
     res = write_levers_report(root, tmp_path / "out", n_boot=500)
-    rows = {r["variant"]: r for r in res["rows"]}
-    assert [r["variant"] for r in res["rows"]] == ["baseline", "balance"]
+    rows = {r["variant"]: r for r in res["rows"] if r["policy"] == "shared"}
+    assert [(r["policy"], r["variant"]) for r in res["rows"]] == [("shared", "baseline"), ("shared", "balance"),
+                                                                  ("isolated", "baseline")]
+    assert rows["balance"]["final_by_seed"] == {0: np.mean(bal[0]), 1: np.mean(bal[1])}
+    (pair,) = res["policy_pairs"]
+    assert (pair["variant"], pair["seeds"], pair["tasks"]) == ("baseline", [1], 4)
+    np.testing.assert_allclose(pair["shared_minus_isolated"][0], np.mean(base[1]) - np.mean(ip))
+    # gains: SP from 0.5, IP from 0.25 at step 0
+    np.testing.assert_allclose(pair["gain_shared_minus_isolated"][0],
+                               (np.mean(base[1]) - 0.5) - (np.mean(ip) - 0.25))
+    assert os.path.getsize(tmp_path / "out" / "levers.png") > 10_000
     np.testing.assert_allclose(rows["baseline"]["final"][0], np.mean(base[0] + base[1]))
     np.testing.assert_allclose(rows["balance"]["vs_baseline"][0], (0.25 + 0.125) / 2)
     np.testing.assert_allclose(rows["balance"]["delta_step0"][0], np.mean(bal[0] + bal[1]) - 0.5)
@@ -390,6 +403,7 @@ def test_levers_report_pairs_variants_with_the_baseline_on_the_same_seeds_and_ta
     assert (gen["share_before"], gen["share_after"]) == (0.8, 0.5)
     text = open(res["readme"]).read()
     assert "| voting | shared | balance | 0,1 | 4 |" in text and "`bal-s2`" in text
+    assert "| voting | baseline | 1 | 4 | +0.250 [" in text and "![levers](levers.png)" in text
     # the module's command line writes the same report
     out = tmp_path / "cli"
     subprocess.run([sys.executable, "-m", "marl_jax.experiments.report", "levers", f"--root={root}", f"--out={out}"],

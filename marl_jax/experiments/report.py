@@ -844,6 +844,7 @@ def levers_summary(root: str | os.PathLike, *, baseline: str = "baseline", n_boo
         row = {"workflow": wf, "policy": pol, "variant": var, "seeds": seeds, "tasks": len(tasks),
                "final_step": {s: max(val[s]) for s in seeds}}
         row["final"] = bootstrap_mean(_matrix(final, seeds, tasks), n_boot=n_boot)
+        row["final_by_seed"] = {s: float(np.mean([final[s][t] for t in tasks])) for s in seeds}
         row["delta_step0"] = bootstrap_mean(_matrix(final, seeds, tasks) - _matrix(first, seeds, tasks),
                                             n_boot=n_boot)
         base = groups.get((wf, pol, baseline))
@@ -882,7 +883,76 @@ def levers_summary(root: str | os.PathLike, *, baseline: str = "baseline", n_boo
                      "damping_factor": float(np.mean(pick(f"lever/{role}/damping_factor")))
                      if pick(f"lever/{role}/damping_factor") else None}
             roles_out.append(entry)
-    return {"rows": rows, "roles": roles_out, "unfinished": sorted(set(unfinished))}
+    return {"rows": rows, "roles": roles_out, "policy_pairs": _policy_pairs(groups, n_boot),
+            "unfinished": sorted(set(unfinished))}
+
+
+def _policy_pairs(groups: Mapping[tuple[str, str, str], Mapping[int, Cell]], n_boot: int) -> list[dict[str, Any]]:
+    """Shared minus Isolated for each (workflow, variant) run under both: the paired difference of final
+    pass@1 and of the gain from step 0, on the seeds and tasks both have."""
+    out = []
+    for (wf, pol, var), sp in groups.items():
+        ip = groups.get((wf, "isolated", var))
+        if pol != "shared" or not ip:
+            continue
+        val = {p: {s: load_val_tasks(c.workdir) for s, c in g.items()} for p, g in (("shared", sp), ("isolated", ip))}
+        seeds = sorted(s for s in val["shared"] if val["shared"][s] and val["isolated"].get(s))
+        if not seeds:
+            continue
+        fin = {p: {s: val[p][s][max(val[p][s])] for s in seeds} for p in val}
+        first = {p: {s: val[p][s][min(val[p][s])] for s in seeds} for p in val}
+        tasks = sorted(set.intersection(*(set(fin[p][s]) & set(first[p][s]) for p in val for s in seeds)))
+        m = {p: (_matrix(fin[p], seeds, tasks), _matrix(first[p], seeds, tasks)) for p in val}
+        out.append({"workflow": wf, "variant": var, "seeds": seeds, "tasks": len(tasks),
+                    "shared_minus_isolated": bootstrap_mean(m["shared"][0] - m["isolated"][0], n_boot=n_boot),
+                    "gain_shared_minus_isolated": bootstrap_mean(
+                        (m["shared"][0] - m["shared"][1]) - (m["isolated"][0] - m["isolated"][1]), n_boot=n_boot),
+                    "by_seed": {s: float(np.mean(m["shared"][0][i] - m["isolated"][0][i])) for i, s in enumerate(seeds)}})
+    return sorted(out, key=lambda r: (_workflow_rank(r["workflow"]), r["variant"] != "baseline", r["variant"]))
+
+
+def levers_figure(res: Mapping[str, Any]) -> Figure:
+    """Left: every paired difference with its interval (levers vs their baseline, Shared minus Isolated),
+    a dashed line at 0. Right: the roles' norm shares of the Shared-Policy update before and after each lever."""
+    diffs = [(f"{r['workflow']} {'SP' if r['policy'] == 'shared' else 'IP'} {r['variant']} - baseline",
+              r["vs_baseline"]) for r in res["rows"] if r.get("vs_baseline")]
+    diffs += [(f"{p['workflow']} {p['variant']}: SP - IP", p["shared_minus_isolated"]) for p in res["policy_pairs"]]
+    shares = [e for e in res["roles"] if e["policy"] == "shared"]
+    fig = _new_figure(13, max(3.0, 0.4 * max(len(diffs), len({(e['workflow'], e['variant']) for e in shares})) + 1.5))
+    ax, bx = fig.subplots(1, 2, width_ratios=[1.2, 1])
+    y = np.arange(len(diffs))[::-1]
+    for yi, (_, (m, lo, hi)) in zip(y, diffs):
+        color = "tab:blue" if lo > 0 else "tab:red" if hi < 0 else "0.3"
+        ax.errorbar([m], [yi], xerr=[[m - lo], [hi - m]], fmt="o", color=color, capsize=3)
+    ax.axvline(0, ls="--", color="0.5", lw=1)
+    ax.set_yticks(y, [d[0] for d in diffs], fontsize=8)
+    ax.set_xlabel("paired difference in final pass@1 (95% bootstrap interval)")
+    ax.set_title("levers vs baseline; Shared vs Isolated")
+    cells = list(dict.fromkeys((e["workflow"], e["variant"]) for e in shares))
+    roles = list(dict.fromkeys(e["role"] for e in shares))
+    cmap = {r: f"C{i}" for i, r in enumerate(roles)}
+    yb = np.arange(len(cells))[::-1]
+    labelled = set()
+    for yi, (wf, var) in zip(yb, cells):
+        left = {"before": 0.0, "after": 0.0}
+        for e in (e for e in shares if (e["workflow"], e["variant"]) == (wf, var)):
+            for off, when in ((0.18, "before"), (-0.18, "after")):
+                v = e[f"norm_share_{when}"]
+                if when == "after" and v is None:
+                    v = e["norm_share_before"]
+                if v is None or not np.isfinite(v):
+                    continue
+                bx.barh(yi + off, v, 0.34, left=left[when], color=cmap[e["role"]], alpha=1.0 if when == "after" else 0.45,
+                        label=e["role"] if (e["role"] not in labelled and when == "after") else None)
+                labelled.add(e["role"]) if when == "after" else None
+                left[when] += v
+    bx.set_yticks(yb, [f"{wf} {var}" for wf, var in cells], fontsize=8)
+    bx.set_xlim(0, 1)
+    bx.set_xlabel("norm share (pale: before the lever, solid: after)")
+    bx.set_title("who takes the Shared-Policy step")
+    if labelled:
+        bx.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
 
 
 def _ci(t: tuple[float, float, float] | None, signed: bool = False) -> str:
@@ -896,6 +966,9 @@ def write_levers_report(root: str | os.PathLike, out: str | os.PathLike, **kw: A
     out = os.fspath(out)
     os.makedirs(out, exist_ok=True)
     res = levers_summary(root, **kw)
+    seeds_all = sorted({s for r in res["rows"] for s in r["seeds"]})
+    if res["rows"]:
+        levers_figure(res).savefig(os.path.join(out, "levers.png"))
     with open(os.path.join(out, "levers.json"), "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1, default=lambda o: list(o) if isinstance(o, tuple) else str(o))
     md = [f"# Levers: `{os.fspath(root)}`", "",
@@ -918,6 +991,18 @@ def write_levers_report(root: str | os.PathLike, out: str | os.PathLike, **kw: A
               [(e["workflow"], e["policy"], e["variant"], e["role"], _fmt(e["share_before"]), _fmt(e["share_after"]),
                 _fmt(e["norm_share_before"]), _fmt(e["norm_share_after"]), _fmt(e["damping_factor"]))
                for e in res["roles"]]),
+          "## Shared minus Isolated (paired: same workflow and variant, same seeds and tasks)", "",
+          "*gain*: the difference of the two runs' change from step 0.", "",
+          _md(["workflow", "variant", "seeds", "tasks", "SP - IP final pass@1", "SP - IP gain", "per seed"],
+              [(p["workflow"], p["variant"], ",".join(map(str, p["seeds"])), p["tasks"],
+                _ci(p["shared_minus_isolated"], True), _ci(p["gain_shared_minus_isolated"], True),
+                " / ".join(_fmt(v, True) for v in p["by_seed"].values())) for p in res["policy_pairs"]])
+          if res["policy_pairs"] else "No workflow ran under both policies.\n",
+          "## Final pass@1 per seed", "",
+          _md(["workflow", "policy", "variant"] + [f"seed {s}" for s in seeds_all],
+              [(r["workflow"], r["policy"], r["variant"], *(_fmt(r["final_by_seed"].get(s)) for s in seeds_all))
+               for r in res["rows"]]),
+          "![levers](levers.png)", "",
           "## Cells not counted (unfinished or without per-task validation)", ""]
     md += [f"- `{n}`" for n in res["unfinished"]] or ["None."]
     readme = os.path.join(out, "README.md")
