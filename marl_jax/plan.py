@@ -276,27 +276,56 @@ def static_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh) -> dict[str,
     return {"base_weights": base, "trainable": slot * S, "gradients": grads, "optimizer": 2 * slot * S}
 
 
+def paged_pool_blocks(rows: int, distinct: int, P: int, Tn: int, block: int) -> tuple[int, int]:
+    """Paged KV pool of one row shard when every row runs to its limit: (blocks at the end, blocks before
+    the last growth), replaying the sampler's rule (Sampler._empty_paged / _ensure_blocks): a first pool for
+    the prompts and a block of growth per row, then 1.5x steps, never beyond a dense cache of the rows.
+    The rows hold at most the distinct prompts' whole blocks once plus, each, its own part of the prompt's
+    last block and its completion's blocks (+1 for the null block)."""
+    from marl_jax.generate.sampler import _batch_bucket, paged_first_pool
+    full = 1 + rows * -(-(P + Tn) // block)
+    whole, per = P // block, -(-P // block)
+    need = min(full, 1 + min(distinct, rows) * whole + rows * (per - whole + -(-Tn // block) + 1))
+    N = prev = paged_first_pool(rows, min(distinct, rows), P, Tn, block)
+    while N < need:  # a decode step takes at most one block per row, so each growth is by N // 2
+        prev, N = N, min(_batch_bucket(N + max(N // 2, 1), 16), full)
+    return N, prev
+
+
 def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int) -> tuple[float, float, int]:
-    """(KV cache bytes, prefill transient bytes, batch) per device for the largest sampler call."""
+    """(KV cache bytes, prefill transient bytes, batch) per device for the largest sampler call.
+
+    Dense: every row holds prompt + max new tokens. Paged (rollout.paged_kv): the pool when every row runs to
+    its limit, plus the pool before its last growth, which lives until the grown copy exists; a task's
+    episodes share their prompt's blocks. When rows stop early (RL's long tail) the pool stays smaller:
+    this is the bound, not the typical use."""
     from marl_jax.generate.sampler import _batch_bucket, length_bucket
     e = _bytes(config.model.dtype)
     kv_heads = cfg.num_kv_heads // _div(cfg.num_kv_heads, mesh.model)
     q_heads = cfg.num_heads // _div(cfg.num_heads, mesh.model)
+    paged = bool(config.rollout.get("paged_kv", False))
+    blk = int(config.rollout.get("kv_block", 16))
     worst_kv, worst_pre, worst_b = 0.0, 0.0, 0
     for st in w.stages:
         B = _batch_bucket(min(st.rows, max_batch), 8, mesh.rows)
         Bu = _batch_bucket(min(st.distinct, max_batch), 8, mesh.rows)
         P, Tn = length_bucket(st.prompt), length_bucket(st.new)
         b, bu = B / mesh.rows, Bu / mesh.rows
-        kv = 2 * cfg.num_layers * b * kv_heads * cfg.head_dim * (P + Tn) * e
-        # Prefill, before rows are expanded to their episodes: the distinct prompts' cache, one layer's
-        # attention scores over the prompt (float32, and their probabilities) and its residual stream
-        # (coefficients from XLA's memory analysis of the prefill program, tests/test_plan.py).
-        pre = (2 * cfg.num_layers * bu * kv_heads * cfg.head_dim * (P + Tn) * e
+        slot_bytes = 2 * cfg.num_layers * kv_heads * cfg.head_dim * e  # keys and values of one slot
+        kv = b * (P + Tn) * slot_bytes
+        window = kv  # what a decode step's attention reads per layer (all layers' worth)
+        if paged:
+            distinct = math.ceil(min(st.distinct, B) / mesh.rows)
+            N, prev = paged_pool_blocks(int(b), distinct, P, Tn, blk)
+            kv = (N + (prev if prev < N else 0)) * blk * slot_bytes
+        # Prefill, before rows are expanded to their episodes: the distinct prompts' cache (paged: prompt
+        # slots only), one layer's attention scores over the prompt (float32, and their probabilities) and
+        # its residual stream (coefficients from XLA's memory analysis of the prefill program, tests/test_plan.py).
+        pre = (2 * cfg.num_layers * bu * kv_heads * cfg.head_dim * (P + (0 if paged else Tn)) * e
                + bu * q_heads * P * P * (4 + 0.7 * e) + bu * P * cfg.hidden_size * e)
         # A decode step holds one layer's keys and values over the attention window (about 1.5 copies,
-        # from XLA's memory analysis) and the float32 logits with their softmax.
-        step = 1.5 * kv / cfg.num_layers + b * cfg.vocab_size * 4 * 2
+        # from XLA's memory analysis; paged: the gathered blocks) and the float32 logits with their softmax.
+        step = 1.5 * window / cfg.num_layers + b * cfg.vocab_size * 4 * 2
         if kv + step + pre > worst_kv + worst_pre:
             worst_kv, worst_pre, worst_b = kv + step, pre, B
     return worst_kv, worst_pre, worst_b
@@ -469,6 +498,8 @@ def plan(config, chip_spec: str, prompt_tokens: int = 512) -> dict[str, Any]:
         "workflow": config.workflow, "policy": config.policy, "slots": w.num_slots,
         "trainable": config.trainable.mode + (f" r{config.trainable.rank}" if config.trainable.mode == "lora" else ""),
         "stages": [dataclasses.asdict(s) for s in w.stages], "seq_len": w.seq_len, "window": w.window,
+        "kv_layout": (f"paged, {int(config.rollout.kv_block)}-slot blocks" if config.rollout.get("paged_kv", False)
+                      else "dense"),
         "mesh": str(mesh), "micro_batch": knobs.micro_batch, "remat": knobs.remat, "max_batch": knobs.max_batch,
         "memory": mem, "fits": mem["peak"] <= limit,
         "update_peak_by_remat_and_micro_batch": table,
@@ -495,6 +526,10 @@ def format_plan(p: dict[str, Any]) -> str:
         f"update rows of {p['seq_len']} tokens ({p['window']} scored)",
         "stages (worst case: every row runs to its limit): " + "; ".join(
             f"{s['role']} {s['rows']} rows, prompt {s['prompt']} + {s['new']}" for s in p["stages"]),
+        "",
+        f"KV cache: {p['kv_layout']}" + (" (worst case: the pool when every row runs to its limit, plus the pool "
+                                         "before its last growth; a task's episodes share prompt blocks)"
+                                         if p["kv_layout"] != "dense" else ""),
         "",
         "| per device | GiB |",
         "|---|---|",

@@ -156,6 +156,15 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sp: SamplingParams) -> tup
     return tok, picked - jax.nn.logsumexp(scaled, axis=-1)
 
 
+def paged_first_pool(rows: int, distinct: int, P: int, Tn: int, block: int) -> int:
+    """Blocks of a row shard's first paged pool: its distinct prompts' whole blocks once, each row's part
+    of its prompt's last block and one block of growth (+1 null), rounded up to a size bucket, at most
+    a dense cache of the rows (marl_jax.plan replays this)."""
+    whole, per = P // block, -(-P // block)
+    full = 1 + rows * -(-(P + Tn) // block)
+    return min(_batch_bucket(1 + distinct * whole + rows * (per - whole + 1), 16), full)
+
+
 def _shared_prefix_len(prompts: Sequence[Sequence[int]], minimum: int = 16) -> int:
     """Length of the prefix every prompt shares, rounded down to a length bucket (so few programs compile)
     and leaving each prompt at least one token of its own (its last token's logits start decoding).
@@ -583,7 +592,7 @@ class Sampler:
         B = _batch_bucket(min(len(prompts), self.max_batch), self.min_batch, self.data_size)
         first = min(len(prompts), B)
         if self.paged:  # an empty paged state, then the first rows go in as a refill would put them
-            state = self._empty_paged(B, P, Tn, sp)
+            state = self._empty_paged(B, P, Tn, sp, prompts[:first])
             state = self._admit(params, trainable, slot, plan, sp, Tn, prompts[:first], row_ids[:first],
                                 limits[:first], np.arange(first), state, key)
         else:
@@ -687,13 +696,17 @@ class Sampler:
         return idx, active[idx]
 
     # ---- paged KV (Sampler(paged=True)) ----
-    def _empty_paged(self, B: int, P: int, Tn: int, sp: SamplingParams) -> DecodeState:
+    def _empty_paged(self, B: int, P: int, Tn: int, sp: SamplingParams, first: Sequence[Sequence[int]] = ()
+                     ) -> DecodeState:
         blk, D = self.kv_block, self.data_size
         T = -(-(P + Tn) // blk) * blk
-        # Per shard, a first pool for its rows' prompts and a block of growth per row; it grows as rows need
-        # more, never beyond a dense cache of the shard's rows.
+        # Per shard, a first pool for its first rows' prompts (the whole blocks of a prompt once, as its rows
+        # share them) and a block of growth per row; it grows as rows need more, never beyond a dense cache
+        # of the shard's rows.
         self._pool_rows = B // D
-        blocks = min(_batch_bucket(1 + B // D * (-(-P // blk) + 1), 16), 1 + B // D * (T // blk))
+        distinct = max([len({tuple(p) for p in first[d * (B // D):(d + 1) * (B // D)]}) for d in range(D)]
+                       + [0]) if first else B // D
+        blocks = paged_first_pool(B // D, distinct, P, Tn, blk)
         # Host bookkeeping of shared prompt blocks, by (shard, block): rows holding each, and the blocks of
         # each (shard, prompt).
         self._refs: dict[tuple, int] = {}
