@@ -16,7 +16,7 @@ from marl_jax.rl import optim
 from marl_jax.rl.batch import make_batch, make_groups
 from marl_jax.models import decoder
 from marl_jax.rl.update import (UpdateConfig, init_state, item_positions, item_windows, length_ladder, make_train_step,
-                                pack_batch, pack_rows, pack_shapes)
+                                pack_batch, pack_rows, pack_shapes, pack_units, share_units)
 from test_update import CFG, LR, FakeRow, _assert_tree_close, _ref_grad, _setup
 
 import optax
@@ -34,14 +34,14 @@ def _uneven_rows(rng, spec):
 
 
 def _run(rows, advs, roles, role_to_slot, copies, *, sort, buckets, micro_batch=4, head_chunk=0, dtype=jnp.float32,
-         metrics=True, seed=0, packing=False):
+         metrics=True, seed=0, packing=False, share_prefix=0):
     base, spec, tr = _setup(max(role_to_slot.values()) + 1, seed)
     groups = make_groups(roles, role_to_slot, copies)
     batch = make_batch(rows, np.asarray(advs, np.float32), role_to_slot=role_to_slot, num_slots=spec.num_slots,
                        groups=groups, micro_batch=micro_batch, sort_by_length=sort)
     tx = optim.per_slot(optax.sgd(LR))
     ucfg = UpdateConfig(micro_batch=micro_batch, length_buckets=buckets, head_chunk=head_chunk, dtype=dtype,
-                        metrics=metrics, packing=packing)
+                        metrics=metrics, packing=packing, share_prefix=share_prefix)
     step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
                            group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                            role_slot=[role_to_slot[r] for r in roles])
@@ -175,6 +175,86 @@ def test_segments_keep_attention_within_rows():
     assert not np.allclose(merged[0, at[2]], out[0, at[2]], atol=1e-4)
 
 
+def test_share_units_and_their_packing_by_hand():
+    pre = [5, 6, 7, 8, 9, 10]
+    tokens = np.zeros((5, 12), np.int32)
+    rows = [pre + [1, 2], pre[:4] + [3, 3, 3, 3, 3], pre + [4], [9, 9, 9], pre + [2, 2, 2]]
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    lens = np.array([len(r) for r in rows])
+    # The longest rows (1 and 4, 9 tokens) lead in order: row 1 shares 4 tokens with rows 0, 2 and 4 (3 x 4
+    # = 12 saved). With at least 5 shared, row 1 stays alone and row 4 leads rows 0 and 2 over 6 tokens.
+    units = share_units(tokens, lens, 3)
+    assert units == [([1, 0, 2, 4], 4), ([3], 0)]
+    assert share_units(tokens, lens, 5) == [([1], 0), ([4, 0, 2], 6), ([3], 0)]
+    where, used = pack_units(share_units(tokens, lens, 5), lens, 16)
+    # unit (4, 0, 2) over one prefix copy: 6 + 3 + 2 + 1 = 12 tokens in sequence 0; row 1 (9) in sequence 1;
+    # row 3 (3) fits after the unit in sequence 0.
+    assert used == 2
+    assert where[4] == (0, 0, 0, 6) and where[0] == (0, 0, 3 - 6 + 6, 6) and where[2] == (0, 0, 5, 6)
+    assert where[1] == (1, 0, 0, 0) and where[3] == (0, 12, 12, 0)
+    # a unit longer than a sequence splits, each part with its own prefix copy
+    where, used = pack_units([([4, 0, 2], 6)], lens, 10)  # 6 + 3 + 2 + 1 = 12 > 10: row 4 alone, 0 and 2 share
+    assert used == 2 and where[4] == (0, 0, 0, 0) and where[0] == (1, 0, 0, 6) and where[2] == (1, 0, 2, 6)
+
+
+def test_shared_prefix_layout_gives_each_rows_outputs_and_never_crosses_rows():
+    """Two rows over one copy of their common prefix, a third alone: each row's outputs are those of the
+    row run alone; changing one row's own tokens changes no other row; without the parent link they differ."""
+    cfg, params = CFG, _setup(1)[0]
+    rng = np.random.RandomState(3)
+    P_, a, b_, c = (list(rng.randint(1, 64, n)) for n in (9, 5, 7, 6))
+    packed = jnp.asarray([P_ + a + b_ + c + [0] * 3])
+    seg = jnp.asarray([[9] * 9 + [1] * 5 + [2] * 7 + [3] * 6 + [0] * 3])
+    par = jnp.asarray([[0] * 9 + [9] * 12 + [0] * 9])
+    pos = jnp.asarray([list(range(9)) + list(range(9, 14)) + list(range(9, 16)) + list(range(6)) + [0] * 3])
+    out = decoder.forward(params, cfg, packed, segments=(seg, par, pos))
+    at = {"a": np.r_[0:9, 9:14], "b": np.r_[0:9, 14:21], "c": np.r_[21:27]}
+    for k, row in (("a", P_ + a), ("b", P_ + b_), ("c", c)):
+        alone = decoder.forward(params, cfg, jnp.asarray([row]))
+        np.testing.assert_allclose(out[0, at[k]], alone[0], rtol=1e-5, atol=1e-5)
+    changed = decoder.forward(params, cfg, packed.at[0, 16].set((packed[0, 16] % 63) + 1), segments=(seg, par, pos))
+    np.testing.assert_array_equal(np.asarray(changed[0, at["a"]]), np.asarray(out[0, at["a"]]))
+    np.testing.assert_array_equal(np.asarray(changed[0, at["c"]]), np.asarray(out[0, at["c"]]))
+    assert not np.allclose(changed[0, 17:21], out[0, 17:21])
+    # b attending to a's tokens (one segment for both) or not to the prefix (no parent): outputs differ
+    merged = decoder.forward(params, cfg, packed, segments=(seg.at[0, 14:21].set(1), par, pos))
+    assert not np.allclose(merged[0, 14:21], out[0, 14:21], atol=1e-4)
+    orphan = decoder.forward(params, cfg, packed, segments=(seg, par.at[0, 14:21].set(0), pos))
+    assert not np.allclose(orphan[0, 14:21], out[0, 14:21], atol=1e-4)
+
+
+def _prefix_rows(rng):
+    """A task's episodes share its prompt; the roles' instructions are shared across tasks."""
+    rows = []
+    for role, instr_len in (("gen", 12), ("judge", 20)):
+        instr = list(rng.randint(1, 64, instr_len))
+        for task in range(3):
+            prompt = instr + list(rng.randint(1, 64, rng.randint(3, 15)))
+            for ep in range(3):
+                c = list(rng.randint(1, 64, rng.randint(1, 16)))
+                rows.append(FakeRow(prompt, c, list(-rng.uniform(0.5, 4.0, len(c))), role, ep % 3 if role == "gen" else 0))
+    return rows
+
+
+@pytest.mark.parametrize("r2s", [{"gen": 0, "judge": 0}, {"gen": 0, "judge": 1}], ids=["shared", "isolated"])
+def test_shared_prefix_packing_gives_the_plain_layouts_step(r2s):
+    """Rows laid over shared prefix copies: the same loss, gradients and per-role diagnostics as the plain
+    layout, from fewer computed positions."""
+    rng = np.random.RandomState(11)
+    rows = _prefix_rows(rng)
+    advs = list(rng.randn(len(rows)))
+    roles, copies = ["gen", "judge"], {"gen": 3}
+    plain = _run(rows, advs, roles, r2s, copies, sort=False, buckets=1)
+    shared = _run(rows, advs, roles, r2s, copies, sort=True, buckets=3, packing=True, share_prefix=4)
+    b = pack_batch(shared[2], 4, 3, share_prefix=4)
+    assert (b.pack_share > 0).sum() >= 12, "most rows must read a shared prefix"
+    assert item_positions(b, 4, 3, True, 4).sum() < item_positions(shared[2], 4, 3, True).sum()
+    _assert_same_step(plain, shared)
+    with pytest.raises(ValueError, match="packing=True"):
+        UpdateConfig(share_prefix=4)
+
+
 @pytest.mark.parametrize("r2s", [{"gen": 0, "judge": 0}, {"gen": 0, "judge": 1}], ids=["shared", "isolated"])
 def test_packed_micro_batches_give_the_plain_layouts_step(r2s):
     rng = np.random.RandomState(8)
@@ -270,23 +350,38 @@ def test_remat_auto_keeps_activations_of_short_windows_and_recomputes_long_ones(
 
 
 def test_trainer_with_packing_takes_the_same_first_step(prompt_dir, tmp_path):
-    """grpo.packing reaches the trainer's update: one step of the tiny voting run, packed and not, from the
-    same rollout, gives the same loss and the same updated weights."""
+    """grpo.packing and grpo.share_prefix reach the trainer's update: one step of the tiny voting run, packed
+    (over shared prefixes or not) and not, from the same rollout, gives the same loss and updated weights."""
     from marl_jax.models.tiny import tiny_model
     from marl_jax.train.loop import Trainer
     from test_learning import digit_tasks, learning_config, tiny_tokenizer
 
     out = []
-    for packing in (False, True):
+    for packing, share in ((False, 0), (True, 0), (True, 4)):
         c = learning_config("isolated", prompt_dir)
         c.num_tasks, c.rollout.group_size = 4, 4
         c.task.update(size=40, val_size=4)
-        c.grpo.update(micro_batch=4, packing=packing)
+        c.grpo.update(micro_batch=4, packing=packing, share_prefix=share)
         c.train.update(steps=1, val_every=10, ckpt_every=10)
-        t = Trainer(c, str(tmp_path / str(packing)), model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(44),
-                    progress=False)
-        assert t.ucfg.packing is packing
+        t = Trainer(c, str(tmp_path / f"{packing}-{share}"), model=tiny_model(tiny_tokenizer(), seed=1),
+                    tasks=digit_tasks(44), progress=False)
+        assert (t.ucfg.packing, t.ucfg.share_prefix) == (packing, share)
         rec = t.train_step(0)
         out.append((rec["loss"], t.state.trainable))
-    np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-5)
-    _assert_tree_close(out[0][1], out[1][1], atol=1e-6, rtol=1e-5)
+    for o in out[1:]:
+        np.testing.assert_allclose(out[0][0], o[0], rtol=1e-5)
+        _assert_tree_close(out[0][1], o[1], atol=1e-6, rtol=1e-5)
+
+
+def test_share_prefix_config_needs_packing():
+    from marl_jax.config import base_config, validate
+
+    c = base_config("voting", ("generator", "aggregator"))
+    c.grpo.share_prefix = 16
+    with pytest.raises(ValueError, match="share_prefix=16 .* add --config.grpo.packing=true"):
+        validate(c)
+    c.grpo.packing = True
+    validate(c)
+    c.grpo.share_prefix = -1
+    with pytest.raises(ValueError, match="share_prefix must be >= 0"):
+        validate(c)

@@ -507,7 +507,8 @@ class Decoder(_Sharded):
         if tokens is not None:
             x = self.constrain(jnp.take(embed, tokens, axis=0).astype(self.dtype), ACT_HIDDEN)
             if cache is None and segments is not None:
-                positions, mask = segment_layout(segments)
+                positions, mask = (shared_prefix_layout(*segments) if isinstance(segments, tuple)
+                                   else segment_layout(segments))
                 hidden = self._layers(x, positions, mask)
             elif cache is None:
                 B, T = tokens.shape
@@ -588,7 +589,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arra
     segments [B, T] int (instead of valid): packed sequences, several rows laid end to end in one
     sequence; each row's tokens carry one id > 0 and padding 0. Positions restart at 0 in every
     segment and attention stays within a segment (see segment_layout), so each row's outputs are
-    those of the row run alone.
+    those of the row run alone. A tuple (segments, parents, positions) lays rows that share a prefix
+    over one copy of it (see shared_prefix_layout).
     """
     m = _module(cfg, dtype, lora_scale, remat, mesh, rules)
     return m.apply(variables(params, lora), tokens, valid, segments,
@@ -606,6 +608,19 @@ def segment_layout(segments: jax.Array) -> tuple[jax.Array, jax.Array]:
     positions = idx[None] - first
     same = segments[:, :, None] == segments[:, None, :]
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & same & (segments[:, None, :] > 0)
+    return positions, mask
+
+
+def shared_prefix_layout(segments: jax.Array, parents: jax.Array, positions: jax.Array
+                         ) -> tuple[jax.Array, jax.Array]:
+    """Positions and mask [B, T, T] of packed sequences where rows share prefixes: a token attends to the
+    earlier tokens of its own segment and of its parent segment (a prefix laid once before the rows that
+    extend it; parent 0: none), never to padding (id 0). positions [B, T] are given (a row's tokens after
+    a shared prefix continue its count), so each row's outputs are those of the row run alone."""
+    T = segments.shape[1]
+    key = segments[:, None, :]
+    mask = (jnp.tril(jnp.ones((T, T), bool))[None] & (key > 0)
+            & ((key == segments[:, :, None]) | (key == parents[:, :, None])))
     return positions, mask
 
 

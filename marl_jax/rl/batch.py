@@ -53,6 +53,10 @@ class TrainBatch(NamedTuple):
     pack_seq: np.ndarray | None = None
     pack_off: np.ndarray | None = None
     pack_shape: np.ndarray | None = None
+    # With UpdateConfig.share_prefix: [S, R] int32 each, where the row's shared prefix copy starts in its
+    # packed sequence and how many of its first tokens are read from there (0: none shared).
+    pack_pre: np.ndarray | None = None
+    pack_share: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

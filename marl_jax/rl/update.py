@@ -22,10 +22,12 @@ on how many rows other roles had: the reference's separate per-role updates.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from marl_jax.models import decoder, sharding
@@ -58,6 +60,10 @@ class UpdateConfig:
     # per-row positions, attention within a row only), each item over the packed shape (sequences x
     # window, from pack_shapes) with the fewest positions. Values are unchanged (tests/test_update_layout.py).
     packing: bool = False
+    # With packing: rows of a micro-batch whose tokens start with the same share_prefix or more tokens (a
+    # task's episodes, a role's instructions) are laid over one copy of that prefix, computed once; their
+    # gradients through it add up as they would over separate copies. 0: off.
+    share_prefix: int = 0
 
     def __post_init__(self):
         if self.old_logp not in ("sampler", "recompute"):
@@ -72,6 +78,10 @@ class UpdateConfig:
             raise ValueError(f"remat='auto' needs remat_budget_gb > 0, got {self.remat_budget_gb}")
         if self.length_buckets < 1:
             raise ValueError(f"length_buckets must be >= 1, got {self.length_buckets}")
+        if self.share_prefix < 0:
+            raise ValueError(f"share_prefix must be >= 0 (0 = off), got {self.share_prefix}")
+        if self.share_prefix and not self.packing:
+            raise ValueError("share_prefix lays rows over a shared prefix in packed sequences: it needs packing=True")
         if self.head_chunk < 0:
             raise ValueError(f"head_chunk must be >= 0 (0 = automatic), got {self.head_chunk}")
 
@@ -116,11 +126,72 @@ def item_windows(length, micro_batch: int, T: int, n: int):
     return np.where(longest > 0, ladder[which], 0)
 
 
-def pack_shapes(T: int, micro_batch: int, n: int) -> tuple[tuple[int, int], ...]:
+def pack_shapes(T: int, micro_batch: int, n: int, share: bool = False) -> tuple[tuple[int, int], ...]:
     """The (packed sequences, token window) shapes a packed update compiles: windows from length_ladder,
-    sequences micro_batch, /2 and /4 (rounded up)."""
-    seqs = sorted({max(1, -(-micro_batch // d)) for d in (1, 2, 4)})
-    return tuple((p, t) for t in length_ladder(T, n) for p in seqs)
+    sequences micro_batch, /2 and /4 (rounded up). When rows share prefixes also /8 and a window of 2T,
+    so that the rows of a unit (their prefix laid once) mostly fit one sequence."""
+    seqs = sorted({max(1, -(-micro_batch // d)) for d in ((1, 2, 4, 8) if share else (1, 2, 4))})
+    return tuple((p, t) for t in length_ladder(T, n) + ((2 * T,) if share else ()) for p in seqs)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray, n: int) -> int:
+    d = np.flatnonzero(a[:n] != b[:n])
+    return int(d[0]) if len(d) else n
+
+
+def share_units(tokens: np.ndarray, lengths, minimum: int) -> list[tuple[list[int], int]]:
+    """Host-side: rows grouped into units that share a prefix of >= `minimum` tokens, as (rows, shared
+    length); rows alone have shared length 0. Longest rows lead; a leader takes the rows that maximise
+    the tokens saved, (members - 1) x their common prefix with it."""
+    left = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: -int(lengths[i]))
+    units = []
+    while left:
+        lead, rest = left[0], left[1:]
+        lcp = sorted(((_common_prefix(tokens[lead], tokens[j], int(min(lengths[lead], lengths[j]))), j) for j in rest),
+                     key=lambda cj: (-cj[0], cj[1]))
+        best, k = 0, 0
+        for m in range(1, len(lcp) + 1):
+            c = lcp[m - 1][0]
+            if c >= minimum and m * c > best:
+                best, k = m * c, m
+        members = [lead] + [j for _, j in lcp[:k]]
+        c = lcp[k - 1][0] if k else 0
+        units.append((members, c))
+        left = [i for i in left if i not in members]
+    return units
+
+
+def pack_units(units, lengths, capacity: int) -> tuple[dict[int, tuple[int, int, int, int]], int]:
+    """First-fit decreasing of shared-prefix units into sequences of `capacity` tokens: each row's
+    (sequence, prefix offset, offset, shared length) with its token q >= shared length at offset + q and
+    q < shared length at prefix offset + q; and the number of sequences used. A unit too long for one
+    sequence is split, each part with its own copy of the prefix."""
+    parts = []
+    part = lambda rows, c: (rows, c, c + sum(int(lengths[i]) - c for i in rows)) if len(rows) > 1 else (
+        rows, 0, int(lengths[rows[0]]))  # a row alone has nothing to share
+    for rows, c in units:
+        cur, size = [], c
+        for i in rows:
+            n = int(lengths[i]) - c
+            if n + c > capacity:
+                raise ValueError(f"a row of {n + c} tokens does not fit a packed sequence of {capacity}")
+            if cur and size + n > capacity:
+                parts.append(part(cur, c))
+                cur, size = [], c
+            cur.append(i)
+            size += n
+        parts.append(part(cur, c))
+    where, fill = {}, []
+    for rows, c, size in sorted(parts, key=lambda u: -u[2]):
+        j = next((j for j, f in enumerate(fill) if f + size <= capacity), len(fill))
+        if j == len(fill):
+            fill.append(0)
+        at, start = fill[j] + c, fill[j]
+        for i in rows:
+            where[i] = (j, start, at - c, c)
+            at += int(lengths[i]) - c
+        fill[j] += size
+    return where, len(fill)
 
 
 def pack_rows(lengths, capacity: int) -> tuple[list[int], list[int], int]:
@@ -142,18 +213,21 @@ def pack_rows(lengths, capacity: int) -> tuple[list[int], list[int], int]:
     return seq, off, len(fill)
 
 
-def pack_batch(batch: TrainBatch, micro_batch: int, n: int) -> TrainBatch:
+def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 0) -> TrainBatch:
     """Host-side: the packing of every micro-batch (TrainBatch.pack_*). For each item the packed shape
-    with the fewest positions (sequences x window) that holds its rows; ties take the shorter window."""
-    import numpy as np
+    with the fewest positions (sequences x window) that holds its rows; ties take the shorter window.
+    share_prefix > 0: rows sharing a prefix of at least that many tokens are laid over one copy of it
+    (share_units; TrainBatch.pack_pre / pack_share)."""
     if batch.length is None:
         raise ValueError("packing needs the rows' lengths (TrainBatch.length)")
     length = np.asarray(batch.length)
     S, R = length.shape
     T = batch.tokens.shape[2]
     mb = min(micro_batch, R)
-    shapes = pack_shapes(T, mb, n)
+    shapes = pack_shapes(T, mb, n, share=share_prefix > 0)
+    tokens = np.asarray(batch.tokens) if share_prefix else None
     seq, off = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
+    pre, shared = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
     shape = np.zeros((S, R), np.int32)
     for s in range(S):
         for m in range(R // mb):
@@ -161,28 +235,31 @@ def pack_batch(batch: TrainBatch, micro_batch: int, n: int) -> TrainBatch:
             lens = length[s, rows]
             if not lens.any():
                 continue
-            best = None
+            units = (share_units(tokens[s, rows], lens, share_prefix) if share_prefix
+                     else [([i], 0) for i in range(mb) if lens[i] > 0])
             for k, (p, t) in sorted(enumerate(shapes), key=lambda kv: (kv[1][0] * kv[1][1], kv[1][1])):
                 if t < lens.max():
                     continue
-                sq, of, used = pack_rows(lens, t)
+                where, used = pack_units(units, lens, t)
                 if used <= p:
-                    best = (k, sq, of)
                     break
-            k, sq, of = best  # (mb, T) always holds the rows: one per sequence
-            seq[s, rows], off[s, rows], shape[s, rows] = sq, of, k
-    return batch._replace(pack_seq=seq, pack_off=off, pack_shape=shape)
+            # (mb, T) always holds the rows: one per sequence
+            for i, (j, pr, of, c) in where.items():
+                seq[s, m * mb + i], pre[s, m * mb + i], off[s, m * mb + i], shared[s, m * mb + i] = j, pr, of, c
+            shape[s, rows] = k
+    return batch._replace(pack_seq=seq, pack_off=off, pack_shape=shape,
+                          pack_pre=pre if share_prefix else None, pack_share=shared if share_prefix else None)
 
 
-def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool):
+def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool, share_prefix: int = 0):
     """Host-side: the token positions each (slot, micro-batch) item computes ([S, M]; 0 when skipped)."""
     import numpy as np
     S, R, T = batch.tokens.shape
     mb = min(micro_batch, R)
     if not packing:
         return item_windows(batch.length, micro_batch, T, n) * mb
-    b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, n)
-    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, n)])
+    b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, n, share_prefix)
+    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, n, share=b.pack_share is not None)])
     live = np.asarray(b.length).reshape(S, R // mb, mb).max(-1) > 0
     return np.where(live, shapes[np.asarray(b.pack_shape)[:, ::mb]], 0)
 
@@ -223,7 +300,10 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
                             remat=remat or ucfg.remat, mesh=mesh, rules=rules,
                             segments=rows["pack_segments"] if packed else None)
         if packed:  # each row's scored positions, read back from where its row was laid in the packed sequences
-            pos = jnp.minimum(rows["pack_off"][:, None] + idx, h.shape[1] - 1)
+            pos = rows["pack_off"][:, None] + idx
+            if "pack_share" in rows:  # positions inside a shared prefix are read from its one copy
+                pos = jnp.where(idx < rows["pack_share"][:, None], rows["pack_pre"][:, None] + idx, pos)
+            pos = jnp.minimum(pos, h.shape[1] - 1)
             h = h[rows["pack_seq"][:, None], pos]
         else:
             h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
@@ -275,7 +355,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
     g_role = jnp.asarray(group_role, jnp.int32)
     k_slot = jnp.asarray(role_slot, jnp.int32)
 
-    def step(state: TrainState, base, batch: TrainBatch):
+    def step(state: TrainState, base, batch: TrainBatch, used: tuple[int, ...] | None = None):
+        """used (packing, static): the pack_shapes indices the batch's items take; only these compile."""
         S, R, T = batch.tokens.shape
         mb = min(ucfg.micro_batch, R)
         M = R // mb
@@ -291,6 +372,11 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 raise ValueError("UpdateConfig.packing needs the batch's packing (rl.update.pack_batch); the step "
                                  "returned by make_train_step adds it on the host")
             rows.update(pack_seq=batch.pack_seq, pack_off=batch.pack_off, pack_shape=batch.pack_shape)
+            if ucfg.share_prefix:
+                if batch.pack_share is None:
+                    raise ValueError("UpdateConfig.share_prefix needs the batch packed with it "
+                                     "(rl.update.pack_batch(..., share_prefix=...))")
+                rows.update(pack_pre=batch.pack_pre, pack_share=batch.pack_share)
         # [S, R, ...] -> [S * M, mb, ...]: one work item per (slot, micro-batch), slot-major. Items run one at
         # a time on their own slot's parameters, so an item of padding only (a slot with fewer rows than the
         # largest, bucketing, group alignment) is skipped outright: a slot vmap would compute every slot.
@@ -346,14 +432,26 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             inner = terms_over(t)
 
             def run(mine, r, cot):
-                n = r["tokens"].shape[0]
-                live = jnp.arange(t)[None] < r["length"][:, None]  # [mb, t]
+                n, tw = r["tokens"].shape[0], min(t, T)  # a row is at most T long; a packed sequence may be longer
+                q = jnp.arange(tw)[None]
+                live = q < r["length"][:, None]  # [mb, tw]
                 dst_seq = jnp.where(live, r["pack_seq"][:, None], p)  # padding goes out of bounds: dropped
-                dst_pos = r["pack_off"][:, None] + jnp.arange(t)[None]
-                seg = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], (n, t))
-                rp = dict(r, pack_tokens=jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(
-                              r["tokens"][:, :t], mode="drop"),
-                          pack_segments=jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(seg, mode="drop"))
+                dst_pos = r["pack_off"][:, None] + q
+                seg = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], (n, tw))
+                segments = None
+                if "pack_share" in r:
+                    # A row's first c tokens go to its unit's one prefix copy (every member writes the same
+                    # values there), segment id n + 1 + its offset; the rest attend to it as their parent.
+                    c, pre = r["pack_share"][:, None], r["pack_pre"][:, None]
+                    in_pre = q < c
+                    dst_pos = jnp.where(in_pre, pre + q, dst_pos)
+                    prefix_id = jnp.broadcast_to(n + 1 + pre, (n, tw))
+                put = lambda x: jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(x, mode="drop")
+                if "pack_share" in r:
+                    segments = (put(jnp.where(in_pre, prefix_id, seg)),
+                                put(jnp.where(in_pre | (c == 0), 0, prefix_id)),
+                                put(jnp.broadcast_to(q, (n, tw))))
+                rp = dict(r, pack_tokens=put(r["tokens"][:, :tw]), pack_segments=segments or put(seg))
                 return inner(mine, rp, cot)
             return run
 
@@ -363,9 +461,11 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
             cot = w / den[slot]
             if packed:  # the item's packed shape, chosen on the host (pack_batch)
-                shapes = pack_shapes(T, mb, ucfg.length_buckets)
-                nums, gr, aux = jax.lax.switch(jnp.max(r["pack_shape"]), [packed_over(p, t) for p, t in shapes],
-                                               mine, r, cot)
+                shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0)
+                ks = tuple(used) if used is not None else tuple(range(len(shapes)))
+                which = jnp.searchsorted(jnp.asarray(ks, jnp.int32), jnp.max(r["pack_shape"]))
+                nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ks) - 1),
+                                               [packed_over(*shapes[k]) for k in ks], mine, r, cot)
             elif len(ladder) == 1:
                 nums, gr, aux = terms_over(T)(mine, r, cot)
             else:  # the shortest window that holds the item's longest row
@@ -442,14 +542,18 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         metrics["finite"] = finite
         return new_state, metrics
 
-    fn = jax.jit(step, donate_argnums=(0,)) if mesh is None else _sharded_jit(step, mesh, rules)
+    fn = (jax.jit(step, donate_argnums=(0,), static_argnums=(3,)) if mesh is None
+          else _sharded_jit(step, mesh, rules))
     if not ucfg.packing:
         return fn
 
     def packed_step(state, base, batch):
         if batch.pack_shape is None:
-            batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets)
-        return fn(state, base, batch)
+            batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix)
+        # Compile only the packed shapes this batch's items take (every shape would be many branches).
+        length, shape = np.asarray(batch.length), np.asarray(batch.pack_shape)
+        used = tuple(sorted({int(k) for k in np.unique(shape[length > 0])})) or (0,)
+        return fn(state, base, batch, used)
     return packed_step
 
 
@@ -458,15 +562,15 @@ def _sharded_jit(step, mesh, rules):
     Arguments are placed first (a no-op for arrays already in place, so donation still works)."""
     compiled = {}
 
-    def call(state, base, batch):
+    def call(state, base, batch, used=None):
         shapes = jax.tree_util.tree_map(jnp.shape, (state, base, batch))
-        key = (jax.tree_util.tree_structure(shapes), tuple(jax.tree_util.tree_leaves(shapes)))
+        key = (jax.tree_util.tree_structure(shapes), tuple(jax.tree_util.tree_leaves(shapes)), used)
         if key not in compiled:  # shardings depend on shapes (a dimension the mesh does not divide stays whole)
             rows = lambda x: (sharding.batch_sharding(x, mesh, 1, rules) if jnp.ndim(x) >= 2
                               else sharding.replicated(mesh))
             shardings = (sharding.tree_shardings(state, mesh, rules), sharding.tree_shardings(base, mesh, rules),
                          jax.tree_util.tree_map(rows, batch))
-            fn = jax.jit(step, donate_argnums=(0,), in_shardings=shardings,
+            fn = jax.jit(functools.partial(step, used=used), donate_argnums=(0,), in_shardings=shardings,
                          out_shardings=(shardings[0], sharding.replicated(mesh)))
             compiled[key] = (fn, shardings)
         fn, shardings = compiled[key]
