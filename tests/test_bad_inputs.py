@@ -213,6 +213,27 @@ def test_resume_under_a_changed_config_is_refused_listing_the_keys(tiny_run, pro
     t.ckpt.close()
 
 
+def test_resume_of_a_checkpoint_from_before_a_key_existed(tiny_run, prompt_dir, monkeypatch):
+    """A key newer than the checkpoint, at its default, is the older code's behaviour: the run resumes; set to
+    something else, it is a change like any other."""
+    from marl_jax.train.checkpoint import Checkpointer
+    from marl_jax.train.loop import check_resume_config
+
+    workdir, model, tasks = tiny_run
+    restore = Checkpointer.restore_meta
+
+    def older(self, step):
+        meta = restore(self, step)
+        del meta["config"]["grpo"]["share_prefix"]
+        return meta
+    monkeypatch.setattr(Checkpointer, "restore_meta", older)
+    c = _tiny_run_config(prompt_dir)
+    assert check_resume_config(workdir, c) == []
+    c.grpo.update(packing=True, share_prefix=16)
+    with pytest.raises(ConfigChangedError, match="grpo.share_prefix: '<absent>' in the checkpoint, 16 now"):
+        check_resume_config(workdir, c)
+
+
 def test_resume_with_another_rank_names_the_leaf_even_when_allowed(tiny_run, prompt_dir):
     """--allow_config_change lets the config differ, but a checkpoint of another shape still cannot load."""
     from marl_jax.train.loop import Trainer

@@ -138,7 +138,8 @@ class Trainer:
                                  entropy_coef=g.entropy_coef, old_logp=g.old_logp, micro_batch=g.micro_batch,
                                  max_len_norm=float(max(rt.max_new_tokens().values())),  # Dr. GRPO's constant
                                  diagnostics=g.diagnostics, metrics=g.metrics, remat=g.remat,
-                                 remat_budget_gb=g.remat_budget_gb, packing=g.packing, dtype=rt.dtype)
+                                 remat_budget_gb=g.remat_budget_gb, packing=g.packing,
+                                 share_prefix=int(g.share_prefix), dtype=rt.dtype)
         o = config.optim
         self.tx = optim.per_slot(optim.make_optimizer(
             lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
@@ -326,6 +327,12 @@ def check_resume_config(workdir: str, config, allow_change: bool = False,
     if saved is None:
         return []
     changes = config_changes(saved, _jsonable(config.to_dict()))
+    # A key the checkpoint's code did not have, set to its default now, is that code's behaviour: no change.
+    from marl_jax.config import base_config
+    from marl_jax.train.checkpoint import _flat
+    defaults = _flat(json.loads(json.dumps(_jsonable(
+        base_config(config.workflow, tuple(config.grpo.kl_coef.keys())).to_dict()))))
+    changes = [(k, a, b) for k, a, b in changes if not (a == "<absent>" and k in defaults and defaults[k] == b)]
     if changes and not allow_change:
         shown = "\n".join(f"  {k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in changes)
         raise ConfigChangedError(
