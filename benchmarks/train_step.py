@@ -4,6 +4,8 @@
     python benchmarks/train_step.py --skew --rows=16      # uneven lengths, as RL rows are
     python benchmarks/train_step.py --skew --rows=16 --packing   # ... with sequence packing: the unpacked
                                                                   # step is timed too, packing_speedup=
+    python benchmarks/train_step.py --episodes=4 --packing --share_prefix=16   # GRPO groups: 4 rows per
+                                                  # prompt, laid over one copy of it (grpo.share_prefix)
 
 The defaults keep a run near 6 minutes on 2 CPU cores; --rows=32 --micro_batch=8 is 4x the work per step.
 
@@ -77,11 +79,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--length_buckets", type=int, default=4, help="marl_jax token windows per batch (1: all T)")
     p.add_argument("--packing", action="store_true",
                    help="marl_jax packs each micro-batch's rows into fewer sequences (grpo.packing)")
+    p.add_argument("--episodes", type=int, default=1,
+                   help="rows per prompt: a GRPO group's episodes share their prompt (1: every prompt its own)")
+    p.add_argument("--share_prefix", type=int, default=0,
+                   help="with --packing: marl_jax lays rows sharing >= this many leading tokens over one copy "
+                        "of them (grpo.share_prefix; 0: off)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="marl_jax base-model compute dtype (adapters, gradients, optimizer stay float32)")
     args = p.parse_args(argv)
     if args.rows < 1 or args.micro_batch < 1 or args.reps < 1:
         p.error("--rows, --micro_batch and --reps must be >= 1")
+    if args.episodes < 1 or args.share_prefix < 0:
+        p.error("--episodes must be >= 1 and --share_prefix >= 0")
+    if args.share_prefix and not args.packing:
+        p.error("--share_prefix lays rows over shared prefixes in packed sequences: add --packing")
     if not 1 <= args.roles <= len(ROLE_NAMES):
         p.error(f"--roles must be in 1..{len(ROLE_NAMES)}")
     return args
@@ -113,8 +124,9 @@ def synth_rows(args: argparse.Namespace, vocab: int, special: set[int]) -> list[
         else:
             p = int(rng.randint(int(args.prompt_len * 0.8), int(args.prompt_len * 1.2) + 1))
             c = int(rng.randint(max(1, int(args.completion_len * 0.75)), args.completion_len + 1))
-        rows.append(Row([int(t) for t in rng.choice(ok, p)], [int(t) for t in rng.choice(ok, c)], [],
-                        ROLE_NAMES[i % args.roles]))
+        k = i // args.episodes  # --episodes rows of one prompt, one role
+        prompt = rows[-1].prompt_tokens if i % args.episodes else [int(t) for t in rng.choice(ok, p)]
+        rows.append(Row(prompt, [int(t) for t in rng.choice(ok, c)], [], ROLE_NAMES[k % args.roles]))
     return rows
 
 
@@ -309,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     groups = make_groups(roles, role_to_slot, None)
     ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False, remat=args.remat,
                             length_buckets=args.length_buckets, packing=args.packing,
+                            share_prefix=args.share_prefix,
                             dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     batch = make_batch(rows, advs.astype(np.float32), role_to_slot=role_to_slot, num_slots=1, groups=groups,
                        micro_batch=args.micro_batch, pad_id=tok.pad_id, agg=ucfg_off.agg)
@@ -331,8 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     jax_head = int((win > 0).sum()) * mbr * W
     packing_note = ""
     if args.packing:  # each item over (packed sequences x window) instead of (rows x window)
-        pb = pack_batch(batch, args.micro_batch, args.length_buckets)
-        shp = pack_shapes(T, mbr, args.length_buckets)
+        pb = pack_batch(batch, args.micro_batch, args.length_buckets, args.share_prefix)
+        shp = pack_shapes(T, mbr, args.length_buckets, share=args.share_prefix > 0)
         items = [shp[k] for k, live in zip(np.asarray(pb.pack_shape)[:, ::mbr].ravel(), (win > 0).ravel()) if live]
         jax_pos = sum(p * t for p, t in items)
         jax_pairs = sum(p * t * t for p, t in items)
@@ -384,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     jl, jwarm = jax_step()
     tl, twarm = torch_run()
     # With --packing, the unpacked step (token windows only) is timed in the same rounds as the reference.
-    unpacked = jax_runner(dataclasses.replace(ucfg_off, packing=False)) if args.packing else None
+    unpacked = jax_runner(dataclasses.replace(ucfg_off, packing=False, share_prefix=0)) if args.packing else None
     ul = unpacked()[0] if unpacked else None
     jlosses, tlosses, jtimes, ttimes, utimes = [jl], [tl], [], [], []
     for _ in range(args.reps):

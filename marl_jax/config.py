@@ -66,6 +66,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # Sequence packing: a micro-batch's rows laid end to end in fewer sequences (attention never crosses
         # rows), fewer positions computed when rows are uneven; more compiled branches (marl_jax.rl.update)
         packing=False,
+        # With packing: rows of a micro-batch that start with the same share_prefix+ tokens (a task's
+        # episodes, a role's instructions) are laid over one copy of that prefix, computed once (0: off)
+        share_prefix=0,
     ))
     c.optim = ml_collections.ConfigDict(dict(
         lr=2e-5, weight_decay=0.01, grad_clip=1.0, schedule="constant", warmup_steps=0, min_lr_ratio=0.0))
@@ -133,8 +136,10 @@ def cpu_default(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         c.rollout.max_new_tokens[r] = 32
     c.trainable.update(rank=8, alpha=16.0)
     c.optim.update(lr=3e-4, grad_clip=1.0)  # 1e-3 collapsed to guessed one-line answers within 7 steps
-    # Short sequences: keep the matmul activations (remat "dots") instead of recomputing whole layers.
-    c.grpo.update(micro_batch=8, remat="dots")
+    # Short sequences: keep the matmul activations (remat "dots") instead of recomputing whole layers. A
+    # task's episodes and a role's rows share long prompt prefixes: packed over one copy of each, the update
+    # computes half the positions (same loss and gradients).
+    c.grpo.update(micro_batch=8, remat="dots", packing=True, share_prefix=16)
     c.train.update(steps=6, val_every=3, ckpt_every=3, val_temperature=0.0)
     return c
 
@@ -189,6 +194,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if str(c.rollout.group_by_call_index).lower() not in ("auto", "true", "false"):
         errors.append(f"--config.rollout.group_by_call_index must be auto, true or false, "
                       f"got {c.rollout.group_by_call_index!r}")
+    if c.grpo.share_prefix < 0:
+        errors.append(f"--config.grpo.share_prefix must be >= 0 (0 = off), got {c.grpo.share_prefix}")
+    elif c.grpo.share_prefix and not c.grpo.packing:
+        errors.append(f"--config.grpo.share_prefix={c.grpo.share_prefix} lays rows over shared prefixes in packed "
+                      "sequences: add --config.grpo.packing=true")
     if c.optim.lr <= 0:
         errors.append(f"--config.optim.lr must be > 0, got {c.optim.lr}")
     if c.task.source in ("file", "code_file") and not c.task.path:
