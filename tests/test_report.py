@@ -404,6 +404,8 @@ def test_levers_report_pairs_variants_with_the_baseline_on_the_same_seeds_and_ta
     text = open(res["readme"]).read()
     assert "| voting | shared | balance | 0,1 | 4 |" in text and "`bal-s2`" in text
     assert "| voting | baseline | 1 | 4 | +0.250 [" in text and "![levers](levers.png)" in text
+    only0 = write_levers_report(root, tmp_path / "only0", n_boot=200, seeds=[0])
+    assert {tuple(r["seeds"]) for r in only0["rows"]} == {(0,)} and only0["policy_pairs"] == []
     # the module's command line writes the same report
     out = tmp_path / "cli"
     subprocess.run([sys.executable, "-m", "marl_jax.experiments.report", "levers", f"--root={root}", f"--out={out}"],

@@ -814,14 +814,16 @@ def _matrix(per_seed: Mapping[int, Mapping[str, float]], seeds: Sequence[int], t
     return np.array([[per_seed[s][t] for t in tasks] for s in seeds])
 
 
-def levers_summary(root: str | os.PathLike, *, baseline: str = "baseline", n_boot: int = 4000
-                   ) -> dict[str, Any]:
+def levers_summary(root: str | os.PathLike, *, baseline: str = "baseline", n_boot: int = 4000,
+                   seeds: Sequence[int] | None = None) -> dict[str, Any]:
     """Per (workflow, policy, variant): final validation pass@1 with a bootstrap CI over seeds and tasks,
     its change from step 0, and the paired difference to the baseline variant on the same seeds and tasks;
     per role, the mean gradient shares before and after the levers; stability numbers from the metrics.
 
-    Only finished cells count (their last validation is at their last planned step)."""
-    cells = [c for c in load_cells(root) if c.kind == "train" and c.problem is None]
+    Only finished cells count (their last validation is at their last planned step); `seeds`: only these
+    (so that every row averages the same seeds while a sweep is part way through one)."""
+    cells = [c for c in load_cells(root) if c.kind == "train" and c.problem is None
+             and (seeds is None or c.seed in seeds)]
     groups: dict[tuple[str, str, str], dict[int, Cell]] = {}
     unfinished = []
     for c in cells:
@@ -971,7 +973,10 @@ def write_levers_report(root: str | os.PathLike, out: str | os.PathLike, **kw: A
         levers_figure(res).savefig(os.path.join(out, "levers.png"))
     with open(os.path.join(out, "levers.json"), "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1, default=lambda o: list(o) if isinstance(o, tuple) else str(o))
-    md = [f"# Levers: `{os.fspath(root)}`", "",
+    md = [f"# Levers: `{os.fspath(root)}`", ""]
+    if kw.get("seeds") is not None:
+        md += [f"Only seeds {', '.join(map(str, kw['seeds']))} are counted (cells of other seeds are left out).", ""]
+    md += [
           "Validation pass@1 = mean success over the samples of each task (temperature and samples per task "
           "as the cells ran them), averaged over tasks and seeds; brackets: 95% percentile bootstrap interval "
           "resampling seeds and tasks together. *vs baseline*: paired difference to the baseline variant of "
@@ -1019,6 +1024,7 @@ if __name__ == "__main__":  # python -m marl_jax.experiments.report levers --roo
     ap.add_argument("what", choices=["levers"])
     ap.add_argument("--root", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--seeds", default="", help="comma-separated seeds to count (default: every finished cell)")
     a = ap.parse_args()
-    r = write_levers_report(a.root, a.out)
+    r = write_levers_report(a.root, a.out, seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None)
     print(f"{len(r['rows'])} groups, {len(r['unfinished'])} cells not counted: {r['readme']}")
