@@ -228,6 +228,7 @@ def test_resume_of_a_checkpoint_from_before_a_key_existed(tiny_run, prompt_dir, 
         return meta
     monkeypatch.setattr(Checkpointer, "restore_meta", older)
     c = _tiny_run_config(prompt_dir)
+    c.grpo.share_prefix = 0  # the default (off): what the older code did
     assert check_resume_config(workdir, c) == []
     c.grpo.update(packing=True, share_prefix=16)
     with pytest.raises(ConfigChangedError, match="grpo.share_prefix: '<absent>' in the checkpoint, 16 now"):
