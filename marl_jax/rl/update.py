@@ -196,21 +196,13 @@ def pack_units(units, lengths, capacity: int) -> tuple[dict[int, tuple[int, int,
 
 def pack_rows(lengths, capacity: int) -> tuple[list[int], list[int], int]:
     """First-fit decreasing: each row's (sequence, offset) in sequences of `capacity` tokens, and the
-    number of sequences used. Rows of length 0 (padding) go nowhere (sequence 0, offset 0)."""
+    number of sequences used. Rows of length 0 (padding) go nowhere (sequence 0, offset 0). pack_units
+    with every row a unit of its own."""
+    where, used = pack_units([([i], 0) for i in range(len(lengths)) if lengths[i] > 0], lengths, capacity)
     seq, off = [0] * len(lengths), [0] * len(lengths)
-    fill: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        n = int(lengths[i])
-        if n == 0:
-            continue
-        if n > capacity:
-            raise ValueError(f"a row of {n} tokens does not fit a packed sequence of {capacity}")
-        j = next((j for j, f in enumerate(fill) if f + n <= capacity), len(fill))
-        if j == len(fill):
-            fill.append(0)
-        seq[i], off[i] = j, fill[j]
-        fill[j] += n
-    return seq, off, len(fill)
+    for i, (j, _, o, _) in where.items():
+        seq[i], off[i] = j, o
+    return seq, off, used
 
 
 def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 0) -> TrainBatch:
@@ -253,7 +245,6 @@ def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 
 
 def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool, share_prefix: int = 0):
     """Host-side: the token positions each (slot, micro-batch) item computes ([S, M]; 0 when skipped)."""
-    import numpy as np
     S, R, T = batch.tokens.shape
     mb = min(micro_batch, R)
     if not packing:
