@@ -21,7 +21,7 @@ import pytest
 from marl_jax.tasks.code import load_code_jsonl
 from marl_jax.tasks.data import MissingKeyError, TaskFileError
 from marl_jax.tasks.math import load_math_file
-from marl_jax.train.checkpoint import Checkpointer, CheckpointWriteError, ConfigChangedError
+from marl_jax.train.checkpoint import Checkpointer, CheckpointWriteError, ConfigChangedError, config_changes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOOD = '{"problem": "1+1?", "answer": "2"}\n'
@@ -224,15 +224,35 @@ def test_resume_of_a_checkpoint_from_before_a_key_existed(tiny_run, prompt_dir, 
 
     def older(self, step):
         meta = restore(self, step)
-        del meta["config"]["grpo"]["share_prefix"]
+        del meta["config"]["levers"]["balance_cap"]
         return meta
     monkeypatch.setattr(Checkpointer, "restore_meta", older)
     c = _tiny_run_config(prompt_dir)
-    c.grpo.share_prefix = 0  # the default (off): what the older code did
+    c.levers.balance_cap = 0.5  # the default: what the older code did
     assert check_resume_config(workdir, c) == []
-    c.grpo.update(packing=True, share_prefix=16)
-    with pytest.raises(ConfigChangedError, match="grpo.share_prefix: '<absent>' in the checkpoint, 16 now"):
+    c.levers.balance_cap = 0.3
+    with pytest.raises(ConfigChangedError, match="levers.balance_cap: '<absent>' in the checkpoint, 0.3 now"):
         check_resume_config(workdir, c)
+
+
+def test_resume_under_another_layout_of_the_same_computation(tiny_run, prompt_dir):
+    """Packing, prefix sharing, recomputation, the sampler's batch, paged KV and compaction buckets change speed
+    and memory, not what is computed: a run resumes under new values of them (and only them)."""
+    from marl_jax.train.checkpoint import LAYOUT_KEYS, RESUMABLE_KEYS
+    from marl_jax.train.loop import Trainer, check_resume_config
+
+    workdir, model, tasks = tiny_run
+    c = _tiny_run_config(prompt_dir)
+    c.grpo.update(packing=False, share_prefix=0, remat="full", remat_budget_gb=1.0)
+    c.rollout.update(max_batch=16, paged_kv=True, kv_block=8, compaction_buckets=6)
+    changed = {k for k, a, b in config_changes(json.load(open(os.path.join(workdir, "config.json"))),
+                                               c.to_dict(), ignore=tuple(set(RESUMABLE_KEYS) - set(LAYOUT_KEYS)))}
+    assert changed == set(LAYOUT_KEYS)  # every layout key differs from the checkpoint's
+    assert check_resume_config(workdir, c) == []
+    c.train.steps = 2
+    t = Trainer(c, workdir, model=model, tasks=tasks, progress=False)
+    assert t.start_step == 1
+    t.ckpt.close()
 
 
 def test_resume_with_another_rank_names_the_leaf_even_when_allowed(tiny_run, prompt_dir):

@@ -37,7 +37,7 @@ from orbax.checkpoint._src.checkpoint_managers import preservation_policy as _pp
 from marl_jax.train.rundir import is_uri  # gs://, s3://, ... (epath URIs): never made absolute
 
 __all__ = ["Checkpointer", "COMMIT_FILE", "CheckpointWriteError", "ConfigChangedError", "config_changes",
-           "RESUMABLE_KEYS"]
+           "RESUMABLE_KEYS", "LAYOUT_KEYS"]
 
 COMMIT_FILE = "commit_success.txt"  # orbax writes it last, before the atomic rename
 _BEST_KEY = "best_metric"
@@ -124,8 +124,12 @@ def _check_json(meta: Mapping[str, Any]) -> dict:
 
 
 # Config keys a resumed run may change freely: how long it runs and what it logs, never what it learns.
+# Keys that lay out the same computation another way (speed and memory only; tests check each gives the same
+# completions or the same step): a run may resume under new values.
+LAYOUT_KEYS = ("grpo.packing", "grpo.share_prefix", "grpo.remat", "grpo.remat_budget_gb", "rollout.max_batch",
+               "rollout.paged_kv", "rollout.kv_block", "rollout.compaction_buckets")
 RESUMABLE_KEYS = ("train.steps", "train.val_every", "train.ckpt_every", "train.keep_ckpts", "train.tensorboard",
-                  "train.plots", "grpo.diagnostics_every")
+                  "train.plots", "grpo.diagnostics_every") + LAYOUT_KEYS
 
 
 class ConfigChangedError(ValueError):
