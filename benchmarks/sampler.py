@@ -15,7 +15,9 @@ A workload shaped like RL rollouts: --prompts random prompts of 8-48 tokens on a
 length rule at a known length: 90% after 1-63 tokens (exponential, mean ~16), 10% at --max_new_tokens. The
 sampler runs with continuous batching (--max_batch rows, refilled as rows finish); the previous
 scheme (all rows in one batch, compacted as they finish) runs too for comparison, and so do the paged KV
-cache and compaction through 8 batch sizes per octave instead of 2. Prints useful row-steps
+cache and compaction on the coarse grid only (2 batch sizes per octave; by default a tail still decoding after
+64 steps is fitted to 16 sizes per octave). The schedule's row-step ratio over 40 draws of the workload's
+lengths is replayed on host (no model) for these and other compaction settings. Prints useful row-steps
 (tokens decoded) over computed row-steps (batch rows x decode steps), peak KV-cache bytes next to what a
 dense cache for every row would hold, and `speedup=` against HF generate (batches of --hf_batch, each row
 stopped by the same rule, a batch running until its last row stops).
@@ -59,6 +61,16 @@ def arithmetic_prompts(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def longtail_workload(seed: int, n: int, T: int, vocab: int):
+    """n prompts of 8-48 random tokens and each row's stop length: 10% at T, the rest 1-63 (exponential)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    prompts = [rng.randint(3, vocab, rng.randint(8, 49)).tolist() for _ in range(n)]
+    long = rng.rand(n) < 0.1
+    return prompts, np.where(long, T, np.minimum(63, 1 + rng.exponential(16, n).astype(int))).astype(int)
+
+
 def longtail(args):
     import jax
     import numpy as np
@@ -71,11 +83,9 @@ def longtail(args):
 
     m = tiny_model()
     params = jax.device_put({**m.params, "embed": m.params["embed"] * 8.0})
-    rng = np.random.RandomState(0)
     n, T = args.prompts, args.max_new_tokens
-    prompts = [rng.randint(3, m.cfg.vocab_size, rng.randint(8, 49)).tolist() for _ in range(n)]
-    long = rng.rand(n) < 0.1
-    limits = np.where(long, T, np.minimum(63, 1 + rng.exponential(16, n).astype(int))).astype(int)
+    prompts, limits = longtail_workload(0, n, T, m.cfg.vocab_size)
+    long = limits == T
     print(f"workload longtail: {n} prompts (8-48 tokens), stop lengths {int(long.sum())} at {T}, the rest 1-63 "
           f"(median {int(np.median(limits[~long]))}); {limits.sum()} tokens; greedy, tiny random qwen3 "
           f"(2 layers, hidden 64), float32, {args.threads} threads")
@@ -85,8 +95,8 @@ def longtail(args):
     for name, kw in (("continuous", dict(max_batch=args.max_batch, min_batch=1)),
                      ("continuous, paged KV", dict(max_batch=args.max_batch, min_batch=1, paged=True,
                                                    kv_block=args.kv_block)),
-                     ("continuous, 8 compaction buckets per octave", dict(max_batch=args.max_batch, min_batch=1,
-                                                                          compaction_buckets=8)),
+                     ("continuous, coarse compaction grid only", dict(max_batch=args.max_batch, min_batch=1,
+                                                                      compaction_buckets=2)),
                      ("one batch + compaction (previous)", dict(continuous=False, max_batch=max(n, 1)))):
         s = Sampler(m.cfg, pad_id=0, prefix_cache_tokens=0, **kw)
         t = time.perf_counter()
@@ -101,16 +111,19 @@ def longtail(args):
             max(map(len, prompts)) + T) * np.dtype(np.float32).itemsize
         res[name] = (out, wall)
         print(f"marl_jax {name}: wall {wall:.2f}s (first call incl. compile {warm:.1f}s); decode {st['decode_s']:.2f}s, "
-              f"{st['decode_steps']} steps, {st['refills']} refills, {st['compactions']} compactions; "
+              f"{st['decode_steps']} steps, {st['refills']} refills, {st['compactions']} compactions "
+              f"({st['fine_compactions']} onto the fine grid); "
               f"useful/computed row-steps {st['useful_row_steps']}/{st['row_steps']} = "
               f"{st['useful_row_steps'] / st['row_steps']:.3f}; peak KV {st['peak_kv_bytes'] / 2**20:.1f} MiB"
               + (f" allocated, {st['peak_kv_live_bytes'] / 2**20:.1f} MiB in blocks held by rows "
                  f"({st['pool_grows']} pool grows)" if "peak_kv_live_bytes" in st else "")
               + f" (a dense cache for all {n} rows: {dense / 2**20:.1f} MiB)")
-    a, b, _, c = (r[0] for r in res.values())
-    print(f"identical completions with and without continuous batching: {bool((a.tokens == c.tokens).all())}; "
-          f"paged and dense KV: {bool((a.tokens == b.tokens).all())}")
+    a, b, c, d = (r[0] for r in res.values())
+    print(f"identical completions with and without continuous batching: {bool((a.tokens == d.tokens).all())}; "
+          f"paged and dense KV: {bool((a.tokens == b.tokens).all())}; "
+          f"default and coarse compaction: {bool((a.tokens == c.tokens).all())}")
     out, jax_wall = res["continuous"]
+    draws(args, m.cfg.vocab_size)
     if args.skip_hf:
         return
 
@@ -145,6 +158,28 @@ def longtail(args):
     print(f"hf generate (batch {args.hf_batch}): wall {hf_wall:.2f}s")
     print(f"identical completions: {agree}/{n}")
     print(f"speedup={hf_wall / jax_wall:.2f}")
+
+
+def draws(args, vocab: int, count: int = 40):
+    """The schedule's row-step ratio over `count` draws of the long-tail workload (seeds 0.., 0 is the one timed
+    above), replayed on host without a model."""
+    import numpy as np
+
+    from marl_jax.generate.sampler import schedule_row_steps
+
+    lims = []
+    for seed in range(count):
+        prompts, lim = longtail_workload(seed, args.prompts, args.max_new_tokens, vocab)
+        lims.append(lim[np.argsort([-len(p) for p in prompts], kind="stable")])  # the sampler's order
+    print(f"the schedule over {count} draws of the workload (host replay, draw 0 is the one above): useful/computed "
+          "row-steps mean and worst; compactions a call (decode batch sizes to compile)")
+    for label, po, patience in (("coarse grid only (compaction_buckets=2)", 2, 64),
+                                ("default: fine grid of 16 after 64 steps", 16, 64),
+                                ("fine grid of 16 after 16 steps", 16, 16),
+                                ("8 sizes per octave at every compaction", 8, 1)):
+        r = [schedule_row_steps(lim, args.max_batch, 1, 1, po, patience) for lim in lims]
+        ratio = np.array([x["useful"] / x["row_steps"] for x in r])
+        print(f"  {label}: {ratio.mean():.3f}, {ratio.min():.3f}; {np.mean([x['compactions'] for x in r]):.1f}")
 
 
 def main(argv=None):

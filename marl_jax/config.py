@@ -50,9 +50,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # KV cache: dense (rows x (prompt + max new tokens) slots) or paged (blocks of kv_block slots from one
         # pool, held only where rows have tokens; same completions, less memory, a gather per layer per step)
         paged_kv=False, kv_block=16,
-        # batch sizes per octave that compaction of finished rows moves down through: finer wastes fewer
-        # row-steps in a long tail and compiles more decode programs (marl_jax.generate.sampler)
-        compaction_buckets=2,
+        # Compaction of finished rows moves through 2 batch sizes per octave; a tail still decoding after
+        # compaction_patience steps is fitted to compaction_buckets sizes per octave (marl_jax.generate.sampler)
+        compaction_buckets=16, compaction_patience=64,
     ))
     c.advantage = ml_collections.ConfigDict(dict(standardize=True, eps=1e-6))
     c.grpo = ml_collections.ConfigDict(dict(
@@ -162,7 +162,7 @@ _CHOICES = {
     "optim.schedule": ("constant", "warmup_cosine"),
 }
 _POSITIVE = ("num_tasks", "rollout.group_size", "rollout.max_batch", "rollout.kv_block", "rollout.compaction_buckets",
-             "grpo.micro_batch", "train.val_every", "train.ckpt_every", "trainable.rank", "task.size",
+             "rollout.compaction_patience", "grpo.micro_batch", "train.val_every", "train.ckpt_every", "trainable.rank", "task.size",
              "train.val_samples", "levers.damping_window")
 
 

@@ -244,7 +244,7 @@ def test_resume_under_another_layout_of_the_same_computation(tiny_run, prompt_di
     workdir, model, tasks = tiny_run
     c = _tiny_run_config(prompt_dir)
     c.grpo.update(packing=False, share_prefix=0, remat="full", remat_budget_gb=1.0)
-    c.rollout.update(max_batch=16, paged_kv=True, kv_block=8, compaction_buckets=6)
+    c.rollout.update(max_batch=16, paged_kv=True, kv_block=8, compaction_buckets=4, compaction_patience=8)
     changed = {k for k, a, b in config_changes(json.load(open(os.path.join(workdir, "config.json"))),
                                                c.to_dict(), ignore=tuple(set(RESUMABLE_KEYS) - set(LAYOUT_KEYS)))}
     assert changed == set(LAYOUT_KEYS)  # every layout key differs from the checkpoint's

@@ -105,18 +105,44 @@ def test_continuous_and_prefix_cache_on_a_mesh():
         assert r["same"] and r["same_extended"] and r["lora_same"], (mesh, r)
 
 
-def test_finer_compaction_buckets_waste_fewer_row_steps(tiny):
-    """compaction_buckets=8 (batch sizes 2^k + i 2^k / 8): the same completions as the default 2 per octave,
-    and no more computed row-steps for the same useful ones on a long-tail workload."""
+def test_long_tails_compacted_onto_the_fine_grid_waste_fewer_row_steps(tiny):
+    """A tail still decoding after compaction_patience steps is compacted onto compaction_buckets sizes per
+    octave: the same completions as the coarse grid alone (compaction_buckets=2), no more computed row-steps
+    for the same useful ones on a long-tail workload, and with patience never reached, the coarse schedule."""
     cfg, params, _ = tiny
     prompts = random_prompts(40, cfg.vocab_size, seed=23, lo=1, hi=20)
-    limits = np.where(np.arange(40) % 7 == 3, 32, np.random.RandomState(2).randint(1, 6, 40)).tolist()
+    limits = np.where(np.arange(40) % 9 == 3, 32, np.random.RandomState(2).randint(1, 6, 40)).tolist()
     key, sp = jax.random.PRNGKey(5), SamplingParams(32, temperature=0.0)
-    coarse = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=1, prefix_cache_tokens=0)
-    fine = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=1, prefix_cache_tokens=0, compaction_buckets=8)
-    a = coarse.generate(params, prompts, key, sp, max_new_tokens=limits)
-    b = fine.generate(params, prompts, key, sp, max_new_tokens=limits)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    assert fine.stats["useful_row_steps"] == coarse.stats["useful_row_steps"]
-    assert fine.stats["row_steps"] < coarse.stats["row_steps"], (fine.stats, coarse.stats)
-    assert fine.stats["compactions"] > coarse.stats["compactions"]
+    run = {}
+    for name, kw in (("coarse", dict(compaction_buckets=2)), ("fine", dict(compaction_buckets=16, compaction_patience=4)),
+                     ("patient", dict(compaction_buckets=16, compaction_patience=1000))):
+        s = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=1, prefix_cache_tokens=0, **kw)
+        run[name] = (s.generate(params, prompts, key, sp, max_new_tokens=limits).tokens, dict(s.stats))
+    (a, coarse), (b, fine), (c, patient) = run["coarse"], run["fine"], run["patient"]
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, c)
+    assert fine["useful_row_steps"] == coarse["useful_row_steps"]
+    assert fine["row_steps"] < coarse["row_steps"] and fine["fine_compactions"] >= 1, (fine, coarse)
+    assert patient["row_steps"] == coarse["row_steps"] and patient["fine_compactions"] == 0
+
+
+@pytest.mark.parametrize("per_octave,patience", [(2, 64), (16, 5), (8, 1)])
+def test_host_replay_of_the_schedule_counts_what_the_sampler_computes(tiny, per_octave, patience):
+    """schedule_row_steps (the planner's and the benchmark's replay of the batching schedule) gives the
+    sampler's own row-steps, compactions and refills for the lengths the rows actually took."""
+    from marl_jax.generate.sampler import schedule_row_steps
+
+    cfg, params, _ = tiny
+    prompts = random_prompts(45, cfg.vocab_size, seed=31, lo=1, hi=24)
+    limits = np.where(np.arange(45) % 9 == 4, 40, np.random.RandomState(3).randint(1, 9, 45)).tolist()
+    s = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=1, prefix_cache_tokens=0, compaction_buckets=per_octave,
+                compaction_patience=patience)
+    out = s.generate(params, prompts, jax.random.PRNGKey(1), SamplingParams(40, temperature=0.0),
+                     max_new_tokens=limits)
+    order = np.argsort([-len(p) for p in prompts], kind="stable")  # the sampler takes the longest first
+    r = schedule_row_steps(out.lengths[order], 16, min_batch=1, per_octave=per_octave, patience=patience)
+    assert s.stats["compactions"] >= 2 and s.stats["refills"] >= 2, s.stats
+    assert (per_octave == 2) == (s.stats["fine_compactions"] == 0), s.stats
+    assert (r["row_steps"], r["useful"], r["compactions"], r["fine_compactions"], r["refills"]) == (
+        s.stats["row_steps"], s.stats["useful_row_steps"], s.stats["compactions"], s.stats["fine_compactions"],
+        s.stats["refills"]), (r, s.stats)
