@@ -176,7 +176,7 @@ def draws(args, vocab: int, count: int = 40):
     for label, po, patience in (("coarse grid only (compaction_buckets=2)", 2, 64),
                                 ("default: fine grid of 16 after 64 steps", 16, 64),
                                 ("fine grid of 16 after 16 steps", 16, 16),
-                                ("8 sizes per octave at every compaction", 8, 1)):
+                                ("fine grid of 8 after 1 step", 8, 1)):
         r = [schedule_row_steps(lim, args.max_batch, 1, 1, po, patience) for lim in lims]
         ratio = np.array([x["useful"] / x["row_steps"] for x in r])
         print(f"  {label}: {ratio.mean():.3f}, {ratio.min():.3f}; {np.mean([x['compactions'] for x in r]):.1f}")
