@@ -115,12 +115,14 @@ def test_long_tails_compacted_onto_the_fine_grid_waste_fewer_row_steps(tiny):
     key, sp = jax.random.PRNGKey(5), SamplingParams(32, temperature=0.0)
     run = {}
     for name, kw in (("coarse", dict(compaction_buckets=2)), ("fine", dict(compaction_buckets=16, compaction_patience=4)),
-                     ("patient", dict(compaction_buckets=16, compaction_patience=1000))):
+                     ("patient", dict(compaction_buckets=16, compaction_patience=1000)),
+                     ("off", dict(compaction=False, compaction_patience=4))):
         s = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=1, prefix_cache_tokens=0, **kw)
         run[name] = (s.generate(params, prompts, key, sp, max_new_tokens=limits).tokens, dict(s.stats))
-    (a, coarse), (b, fine), (c, patient) = run["coarse"], run["fine"], run["patient"]
-    np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(a, c)
+    (a, coarse), (b, fine), (c, patient), (d, off) = run["coarse"], run["fine"], run["patient"], run["off"]
+    for other in (b, c, d):
+        np.testing.assert_array_equal(a, other)
+    assert off["compactions"] == 0 and off["row_steps"] > coarse["row_steps"]  # compaction=False: none at all
     assert fine["useful_row_steps"] == coarse["useful_row_steps"]
     assert fine["row_steps"] < coarse["row_steps"] and fine["fine_compactions"] >= 1, (fine, coarse)
     assert patient["row_steps"] == coarse["row_steps"] and patient["fine_compactions"] == 0

@@ -701,7 +701,8 @@ class Sampler:
                 if self.paged:
                     self._check_blocks(state)
                 break
-            fine = active.sum() > exit_at and phase >= self.patience and self.per_octave > self.coarse
+            fine = (self.compaction and active.sum() > exit_at and phase >= self.patience
+                    and self.per_octave > self.coarse)
             if fine:  # a long tail: compact onto the fine grid if it holds a smaller batch
                 fine = _batch_bucket(int(active.sum()), self.min_batch, self.data_size, self.per_octave) < B
                 phase = 0 if not fine else phase
