@@ -188,6 +188,17 @@ def tiny_run(prompt_dir, tmp_path_factory):
     return workdir, model, tasks
 
 
+def test_step_records_carry_the_samplers_work(tiny_run):
+    """Each training step logs what its sampler calls did (PolicySampler.summary)."""
+    workdir, _, _ = tiny_run
+    steps = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if "update_s" in r]
+    assert steps
+    for r in steps:
+        assert 0 < r["sample_row_use"] <= 1 and 0 <= r["sample_cached_frac"] <= 1, r
+        assert r["sample_decode_s"] >= 0 and r["sample_prefill_s"] > 0 and r["sample_peak_kv_mib"] > 0, r
+        assert r["sample_prefill_s"] + r["sample_decode_s"] <= r["sampler_s"] * 1.01 + 1e-3, r
+
+
 def test_resume_under_a_changed_config_is_refused_listing_the_keys(tiny_run, prompt_dir):
     from marl_jax.train.loop import Trainer
 

@@ -44,3 +44,15 @@ class PolicySampler:
         self.calls.append({"stage": stage, "slot": slot, "rows": len(prompts), "seconds": time.perf_counter() - t0,
                            "tokens": int(out.lengths.sum()), **self.sampler.stats})
         return [Completion(*out.row(i), finished=bool(out.finished[i])) for i in range(len(prompts))]
+
+    def summary(self) -> dict[str, float]:
+        """The sampler's work over the calls so far: prefill and decode seconds, useful decode row-steps per
+        computed one, the fraction of prompt tokens loaded from the prefix cache, the largest decode KV cache."""
+        c = self.calls
+        if not c:
+            return {}
+        total = lambda k: sum(x.get(k, 0) for x in c)
+        return {"sample_prefill_s": float(total("prefill_s")), "sample_decode_s": float(total("decode_s")),
+                "sample_row_use": total("useful_row_steps") / max(total("row_steps"), 1),
+                "sample_cached_frac": total("cached_tokens") / max(total("prompt_tokens"), 1),
+                "sample_peak_kv_mib": max(x.get("peak_kv_bytes", 0) for x in c) / 2 ** 20}

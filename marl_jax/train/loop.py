@@ -32,7 +32,10 @@ from marl_jax.train.rundir import RunDir
 from marl_jax.workflows.rollout import run_episodes
 
 # Metrics that depend on wall-clock time (excluded when comparing resumed runs).
-TIMING_KEYS = ("tokens_per_s", "step_s", "sampler_s", "glue_s", "reward_s", "update_s")
+# Step-record keys that depend on the machine or on cache state (the sampler's, from PolicySampler.summary):
+# not compared between runs that should otherwise agree.
+TIMING_KEYS = ("tokens_per_s", "step_s", "sampler_s", "glue_s", "reward_s", "update_s", "sample_prefill_s",
+               "sample_decode_s", "sample_row_use", "sample_cached_frac", "sample_peak_kv_mib")
 
 
 def parallel_copies(workflow) -> dict[str, int]:
@@ -229,6 +232,7 @@ class Trainer:
         gen_tokens = sum(len(r.completion_tokens) for r in rows)
         rec.update(step_s=t2 - t0, update_s=t2 - t1, tokens_per_s=gen_tokens / max(t2 - t0, 1e-9),
                    **{k: float(v) for k, v in res.timing.items() if k in ("sampler_s", "glue_s", "reward_s")})
+        rec.update(sample.summary())
         return rec
 
     def run(self) -> dict[str, Any]:
