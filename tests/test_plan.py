@@ -130,7 +130,8 @@ def test_kv_cache_and_prefill_match_the_sampler():
     state = DecodeState(cache, sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), bool),
                         sd((B, 256), jnp.int32), sd((B, 256), jnp.float32), sd((B,), jnp.int32), sd((B,), jnp.int32))
     key = jax.random.PRNGKey(0)
-    decode = sampler._decode_fn(sp, 256, 512).lower(params, None, jnp.int32(0), state, key, jnp.int32(0)).compile()
+    decode = sampler._decode_fn(sp, 256, 512).lower(params, None, jnp.int32(0), state, key, jnp.int32(0),
+                                                       jnp.int32(2 ** 31 - 1)).compile()
     params_bytes = sum(x.size * 4 for x in jax.tree_util.tree_leaves(params))
     # kv also counts the decode step's float32 logits (and their softmax), which the program holds as temporaries.
     ma = decode.memory_analysis()
