@@ -345,11 +345,11 @@ class Sampler:
     blocks) only saves memory; turning them off gives the same completions (tests compare both ways).
     Compaction moves a tail down through 2 batch sizes per octave (2^k, 3 * 2^k) as its rows finish; a tail
     that has decoded `compaction_patience` steps without reaching the next size (its live rows are the long
-    ones) is compacted onto the finer grid of `compaction_buckets` sizes per octave (2^k (1 + i / it)), once
-    per size it reaches that way. Over 40 draws of the long-tail benchmark's lengths (schedule_row_steps)
-    the coarse grid alone gives 0.886 useful row-steps per computed one on average (0.741 at worst), 8 sizes
-    per octave everywhere 0.975 with 2.5x the compactions (23 a call against 9.3: decode programs to
-    compile), and the patience rule (16, 64) 0.973 (0.949) with 10.2 compactions. compaction_buckets=2 is the coarse grid only. `stats` holds the last
+    ones) is compacted onto the finer grid of `compaction_buckets` sizes per octave (2^k (1 + i / buckets)).
+    Over 40 draws of the long-tail benchmark's lengths (schedule_row_steps) the coarse grid alone gives 0.886
+    useful row-steps per computed one on average (0.741 at worst), 8 sizes per octave everywhere 0.975 with
+    2.5x the compactions (23 a call against 9.3: decode programs to compile), and the patience rule (16, 64)
+    0.973 (0.949) with 10.2 compactions. compaction_buckets=2 is the coarse grid only. `stats` holds the last
     call's counts: prefill and decode seconds, rows,
     prompt tokens computed and found cached, row-steps computed and useful (tokens decoded), refills,
     compactions, peak decode-cache bytes (paged: the pool as allocated, the blocks held by rows, pool grows).
@@ -562,8 +562,8 @@ class Sampler:
                            np.zeros((n, sp.max_new_tokens), np.float32), np.zeros(n, np.int32), np.zeros(n, bool))
         self._stops, self._limits = tuple(sp.stop_ids), limits
         self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_s": 0.0,
-                      "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "fine_compactions": 0, "refills": 0,
-                      "stored_tokens": 0, "peak_kv_bytes": 0}
+                      "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "fine_compactions": 0,
+                      "refills": 0, "stored_tokens": 0, "peak_kv_bytes": 0}
         if self.paged:
             self.stats.update(peak_kv_live_bytes=0, pool_grows=0)
         if self.prefix_cache is not None:
