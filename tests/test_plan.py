@@ -65,7 +65,7 @@ def _update_analysis(c, w):
                        old_logp=sd((S, R, W), jnp.float32), advantages=sd((S, R), jnp.float32),
                        row_weight=sd((S, R), jnp.float32), group=sd((S, R), jnp.int32),
                        kl_coef=sd((S, R), jnp.float32), den=sd((S,), jnp.float32))
-    ucfg = UpdateConfig(micro_batch=c.grpo.micro_batch, remat=c.grpo.remat, dtype=jnp.float32)
+    ucfg = UpdateConfig(micro_batch=c.grpo.micro_batch, remat=c.grpo.remat, dtype=jnp.float32, program="fused")
     step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
                            group_role=[ROLES.index(r) for r in groups.role], num_roles=len(ROLES),
                            role_slot=[r2s[r] for r in ROLES])

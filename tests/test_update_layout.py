@@ -34,14 +34,14 @@ def _uneven_rows(rng, spec):
 
 
 def _run(rows, advs, roles, role_to_slot, copies, *, sort, buckets, micro_batch=4, head_chunk=0, dtype=jnp.float32,
-         metrics=True, seed=0, packing=False, share_prefix=0):
+         metrics=True, seed=0, packing=False, share_prefix=0, program="auto"):
     base, spec, tr = _setup(max(role_to_slot.values()) + 1, seed)
     groups = make_groups(roles, role_to_slot, copies)
     batch = make_batch(rows, np.asarray(advs, np.float32), role_to_slot=role_to_slot, num_slots=spec.num_slots,
                        groups=groups, micro_batch=micro_batch, sort_by_length=sort)
     tx = optim.per_slot(optax.sgd(LR))
     ucfg = UpdateConfig(micro_batch=micro_batch, length_buckets=buckets, head_chunk=head_chunk, dtype=dtype,
-                        metrics=metrics, packing=packing, share_prefix=share_prefix)
+                        metrics=metrics, packing=packing, share_prefix=share_prefix, program=program)
     step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
                            group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                            role_slot=[role_to_slot[r] for r in roles])
@@ -66,9 +66,10 @@ def _assert_same_step(a, b):
 
 
 def test_length_ladder_and_item_windows():
-    assert length_ladder(256, 4) == (64, 128, 192, 256)
+    assert length_ladder(256, 4) == (64, 96, 128, 192, 256)
     assert length_ladder(192, 1) == (192,)
-    assert length_ladder(100, 3) == (40, 72, 100)  # multiples of 8, the last is T
+    assert length_ladder(128, 4) == (32, 48, 64, 96, 128)  # the same grid for every T
+    assert length_ladder(100, 3) == (48, 64, 96, 100)  # the last is T
     length = np.array([[60, 10, 0, 0, 130, 129, 3, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(item_windows(length, 4, 192, 3), [[64, 192, 0]])
     np.testing.assert_array_equal(item_windows(length, 4, 192, 1), [[192, 192, 0]])
@@ -385,3 +386,43 @@ def test_share_prefix_config_needs_packing():
     c.grpo.share_prefix = -1
     with pytest.raises(ValueError, match="share_prefix must be >= 0"):
         validate(c)
+
+
+@pytest.mark.parametrize("layout,r2s", [(dict(buckets=4), {"gen": 0, "judge": 0}),
+                                        (dict(buckets=3, packing=True, share_prefix=3), {"gen": 0, "judge": 1})])
+def test_item_programs_give_the_fused_programs_step(layout, r2s):
+    """One program per item (the default on one device) against the whole step as one program (the
+    default under a mesh): the same loss, gradients, diagnostics and role stats."""
+    rng = np.random.RandomState(5)
+    rows = _uneven_rows(rng, [("gen", 9, 3), ("judge", 6, 1)])
+    for r in rows[1:4]:  # a task's episodes share their prompt
+        r.prompt_tokens = list(rows[0].prompt_tokens)
+    advs = list(rng.randn(len(rows)))
+    fused = _run(rows, advs, ["gen", "judge"], r2s, {"gen": 3}, sort=True, program="fused", **layout)
+    items = _run(rows, advs, ["gen", "judge"], r2s, {"gen": 3}, sort=True, program="items", **layout)
+    _assert_same_step(fused, items)
+    assert int(items[1]["misaligned_rows"]) == int(fused[1]["misaligned_rows"]) == 0
+
+
+def test_item_programs_compile_once_per_item_shape_across_batches():
+    """Batches of other row counts and padded lengths reuse the item programs of the shapes they share: a
+    step of an RL run compiles only for item shapes no earlier step had."""
+    base, spec, tr = _setup(1, 0)
+    roles, r2s = ["gen", "judge"], {"gen": 0, "judge": 0}
+    groups = make_groups(roles, r2s, None)
+    tx = optim.per_slot(optax.sgd(LR))
+    step = make_train_step(CFG, spec, UpdateConfig(micro_batch=4, length_buckets=2), tx, num_groups=len(groups.names),
+                           group_slot=groups.slot, group_role=[0, 1], num_roles=2, role_slot=[0, 0])
+    state = init_state(jax.tree_util.tree_map(jnp.array, tr), tx)
+    row = lambda role, p, c: FakeRow(list(range(1, p + 1)), list(range(1, c + 1)), [-1.0] * c, role, 0)
+    # 8 rows, every item over a window of 32 tokens, vs 12 rows with one item over 64: the fused program
+    # would compile twice over (other rows, other packed shapes); the 32-token item program is reused.
+    a = [row("gen", 10, 8)] * 4 + [row("judge", 12, 6)] * 4
+    b = [row("gen", 9, 7)] * 4 + [row("judge", 11, 9)] * 4 + [row("gen", 40, 10)] * 4
+    seen = []
+    for rows in (a, b):
+        batch = make_batch(rows, np.ones(len(rows), np.float32), role_to_slot=r2s, num_slots=1, groups=groups,
+                           micro_batch=4)
+        state, _ = step(state, base, batch)
+        seen.append(step.item_programs())
+    assert seen[0] == 1 and seen[1] == 2, seen

@@ -1,11 +1,11 @@
 """The jitted GRPO update: per-slot losses, one (slot, micro-batch) item at a time, exact per-group gradients.
 
 One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
-  1. scans over work items, one per (slot, micro-batch); in each, a forward pass on that slot's
+  1. runs work items, one per (slot, micro-batch); in each, a forward pass on that slot's
      parameters gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
      denominator) its gradient. Items holding padding only are skipped, and each item runs over a
-     token window just long enough for its longest row (one of `length_ladder(T)`, chosen per item
-     by lax.switch), so short micro-batches do not pay for the batch's longest row. The loss is a sum of
+     token window just long enough for its longest row (one of `length_ladder(T)`, chosen per item),
+     so short micro-batches do not pay for the batch's longest row. The loss is a sum of
      per-row terms over a denominator fixed for the whole batch, so accumulating micro-batch
      gradients is exact. With diagnostics on, the batch is group-aligned (every micro-batch
      holds rows of one diagnostic group), so each micro-batch gradient is added to its group's
@@ -15,6 +15,12 @@ One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) a
      construction) and measures per-role norms, projection shares, cosines and copy alignment;
   3. clips and applies AdamW per slot (optim.per_slot), unless the loss or any gradient is not
      finite: then the update is skipped and counted, and parameters stay as they were.
+
+Step 1 runs as one program per item shape (UpdateConfig.program="items", the default on one device):
+an RL batch's rows, padded length and packed shapes change nearly every step, and a program over the
+whole batch compiled again each time (~11 s a step for the embedded default run, cold cache); an item's
+program depends only on its own window or packed shape, so a run stops compiling after its first
+steps. Under a mesh the step is one program (a scan over the items) whose shardings cover all of it.
 
 Each slot's loss is normalised by its own rows, so an Isolated-Policy slot's step does not depend
 on how many rows other roles had: the reference's separate per-role updates.
@@ -64,6 +70,11 @@ class UpdateConfig:
     # task's episodes, a role's instructions) are laid over one copy of that prefix, computed once; their
     # gradients through it add up as they would over separate copies. 0: off.
     share_prefix: int = 0
+    # "items": each (slot, micro-batch) item runs its own program, compiled once per item shape for the
+    # whole run; "fused": the step is one program over the batch's shape (compiled again whenever the
+    # batch's rows, length or packed shapes change: nearly every RL step); "auto": items on one device,
+    # fused under a mesh (its shardings cover the whole step). Both compute the same values.
+    program: str = "auto"
 
     def __post_init__(self):
         if self.old_logp not in ("sampler", "recompute"):
@@ -82,6 +93,8 @@ class UpdateConfig:
             raise ValueError(f"share_prefix must be >= 0 (0 = off), got {self.share_prefix}")
         if self.share_prefix and not self.packing:
             raise ValueError("share_prefix lays rows over a shared prefix in packed sequences: it needs packing=True")
+        if self.program not in ("auto", "items", "fused"):
+            raise ValueError(f"program must be 'auto', 'items' or 'fused', got {self.program!r}")
         if self.head_chunk < 0:
             raise ValueError(f"head_chunk must be >= 0 (0 = automatic), got {self.head_chunk}")
 
@@ -106,10 +119,17 @@ def remat_for(cfg: ModelConfig, rows: int, t: int, W: int, budget_bytes: float, 
 
 
 def length_ladder(T: int, n: int) -> tuple[int, ...]:
-    """The token windows an update over rows padded to T compiles: n steps of T/n (rounded up to a
-    multiple of 8), the last T. Each micro-batch runs over the shortest that holds its longest row."""
-    step = -(-T // n)
-    return tuple(sorted({min(T, -(-(step * i) // 8) * 8) for i in range(1, n + 1)}))
+    """The token windows an update over rows padded to T compiles: the lengths 8, 12, 16, 24, 32, 48, ...
+    (powers of two and 1.5x them, the grid batches are padded to) from T/n up to T, and T. Each micro-batch
+    runs over the shortest that holds its longest row. One grid for every T: batches padded to other
+    lengths share their items' programs."""
+    if n <= 1:
+        return (T,)
+    out, b = {T}, 8
+    while b < T:
+        out |= {g for g in (b, b * 3 // 2) if T / n <= g < T}
+        b *= 2
+    return tuple(sorted(out))
 
 
 def item_windows(length, micro_batch: int, T: int, n: int):
@@ -346,19 +366,14 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
     g_role = jnp.asarray(group_role, jnp.int32)
     k_slot = jnp.asarray(role_slot, jnp.int32)
 
-    def step(state: TrainState, base, batch: TrainBatch, used: tuple[int, ...] | None = None):
-        """used (packing, static): the pack_shapes indices the batch's items take; only these compile."""
-        S, R, T = batch.tokens.shape
-        mb = min(ucfg.micro_batch, R)
-        M = R // mb
-        den = jnp.maximum(batch.den, 1.0)  # [S], counted on the host over every trained row
+    def rows_of(batch: TrainBatch, xp=jnp):
+        """The per-row arrays an item reads, as a dict; validates the batch's packing."""
         rows = {"tokens": batch.tokens, "valid": batch.valid, "win_start": batch.win_start,
                 "targets": batch.targets, "loss_mask": batch.loss_mask,
                 "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
         if batch.length is not None:
             rows["length"] = batch.length
-        packed = ucfg.packing
-        if packed:
+        if ucfg.packing:
             if batch.pack_shape is None:
                 raise ValueError("UpdateConfig.packing needs the batch's packing (rl.update.pack_batch); the step "
                                  "returned by make_train_step adds it on the host")
@@ -368,128 +383,78 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                     raise ValueError("UpdateConfig.share_prefix needs the batch packed with it "
                                      "(rl.update.pack_batch(..., share_prefix=...))")
                 rows.update(pack_pre=batch.pack_pre, pack_share=batch.pack_share)
-        # [S, R, ...] -> [S * M, mb, ...]: one work item per (slot, micro-batch), slot-major. Items run one at
-        # a time on their own slot's parameters, so an item of padding only (a slot with fewer rows than the
-        # largest, bucketing, group alignment) is skipped outright: a slot vmap would compute every slot.
-        W = batch.targets.shape[2]
-        split = lambda x: x.reshape((S * M, mb) + x.shape[2:])
-        mrows = jax.tree_util.tree_map(split, rows)
-        if mesh is not None:  # each micro-batch's rows are split over data x fsdp
-            mrows = jax.tree_util.tree_map(
-                lambda x: sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2), mesh, rules), mrows)
-        mweight, mgroup = split(batch.row_weight), split(batch.group)
-        mslot = jnp.repeat(jnp.arange(S, dtype=jnp.int32), M)
-        one_slot_zero = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[1:], x.dtype), state.trainable)
+        return {k: xp.asarray(v) for k, v in rows.items()}
 
-        def role_stats(aux, r, w, grp):
-            """Additive loss stats per role for one item: dict of [K]."""
-            def for_role(k):
-                in_role = (jnp.take(g_role, jnp.maximum(grp, 0)) == k) & (grp >= 0)
-                rw = w * in_role
-                st = L.policy_loss_stats(
-                    aux["logp"], aux["old"], r["advantages"], r["loss_mask"], clip_low=ucfg.clip_low,
-                    clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip, agg=ucfg.agg,
-                    max_len_norm=ucfg.max_len_norm or W, ref_logp=aux.get("ref"), kl_estimator=ucfg.kl_estimator,
-                    entropy=aux.get("entropy"), row_weight=rw)
-                st["rows"] = jnp.sum(rw)
-                st["resp_tokens"] = jnp.sum(r["loss_mask"] * rw[..., None])
-                return st
-            return jax.vmap(for_role)(jnp.arange(K))
+    def role_stats(aux, r, w, grp, W):
+        """Additive loss stats per role for one item: dict of [K]."""
+        def for_role(k):
+            in_role = (jnp.take(g_role, jnp.maximum(grp, 0)) == k) & (grp >= 0)
+            rw = w * in_role
+            st = L.policy_loss_stats(
+                aux["logp"], aux["old"], r["advantages"], r["loss_mask"], clip_low=ucfg.clip_low,
+                clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip, agg=ucfg.agg,
+                max_len_norm=ucfg.max_len_norm or W, ref_logp=aux.get("ref"), kl_estimator=ucfg.kl_estimator,
+                entropy=aux.get("entropy"), row_weight=rw)
+            st["rows"] = jnp.sum(rw)
+            st["resp_tokens"] = jnp.sum(r["loss_mask"] * rw[..., None])
+            return st
+        return jax.vmap(for_role)(jnp.arange(K))
 
-        ladder = length_ladder(T, ucfg.length_buckets) if batch.length is not None else (T,)
+    def terms_over(t, T, W, mb):
+        """Row numerators, gradient and aux of one item computed over its first t positions (every row of
+        the item is at most t tokens long, so causal attention gives the same values as over all T)."""
+        Wt = min(W, t)  # a completion is shorter than its row
+        remat = ucfg.remat
+        if remat == "auto":  # per window: short items keep their activations, long ones recompute
+            remat = remat_for(cfg, mb, t, Wt, ucfg.remat_budget_gb * 2 ** 30,
+                              dtype="bfloat16" if jnp.dtype(ucfg.dtype) == jnp.bfloat16 else "float32",
+                              rank=spec.rank if spec.mode == "lora" else 0)
 
-        def terms_over(t):
-            """Row numerators, gradient and aux of one item computed over its first t positions (every row of
-            the item is at most t tokens long, so causal attention gives the same values as over all T)."""
-            Wt = min(W, t)  # a completion is shorter than its row
-            remat = ucfg.remat
-            if remat == "auto":  # per window: short items keep their activations, long ones recompute
-                remat = remat_for(cfg, mb, t, Wt, ucfg.remat_budget_gb * 2 ** 30,
-                                  dtype="bfloat16" if jnp.dtype(ucfg.dtype) == jnp.bfloat16 else "float32",
-                                  rank=spec.rank if spec.mode == "lora" else 0)
+        def run(mine, base, r, cot):
+            rt = dict(r, tokens=r["tokens"][:, :t], valid=r["valid"][:, :t], targets=r["targets"][:, :Wt],
+                      loss_mask=r["loss_mask"][:, :Wt], old_logp=r["old_logp"][:, :Wt])
+            terms = lambda tr: _row_terms(cfg, spec, ucfg, base, tr, rt, mesh, rules, norm_len=W, remat=remat)
+            nums, vjp, aux = jax.vjp(terms, mine, has_aux=True)
+            (gr,) = vjp(cot.astype(nums.dtype))
+            aux = jax.tree_util.tree_map(lambda a: jnp.pad(a, ((0, 0), (0, W - Wt))), aux)
+            return nums, gr, aux
+        return run
 
-            def run(mine, r, cot):
-                rt = dict(r, tokens=r["tokens"][:, :t], valid=r["valid"][:, :t], targets=r["targets"][:, :Wt],
-                          loss_mask=r["loss_mask"][:, :Wt], old_logp=r["old_logp"][:, :Wt])
-                terms = lambda tr: _row_terms(cfg, spec, ucfg, base, tr, rt, mesh, rules, norm_len=W, remat=remat)
-                nums, vjp, aux = jax.vjp(terms, mine, has_aux=True)
-                (gr,) = vjp(cot.astype(nums.dtype))
-                aux = jax.tree_util.tree_map(lambda a: jnp.pad(a, ((0, 0), (0, W - Wt))), aux)
-                return nums, gr, aux
-            return run
+    def packed_over(p, t, T, W, mb):
+        """As terms_over(t), with the item's rows laid end to end in p sequences of t tokens."""
+        inner = terms_over(t, T, W, mb)
 
-        def packed_over(p, t):
-            """As terms_over(t), with the item's rows laid end to end in p sequences of t tokens."""
-            inner = terms_over(t)
+        def run(mine, base, r, cot):
+            n, tw = r["tokens"].shape[0], min(t, T)  # a row is at most T long; a packed sequence may be longer
+            q = jnp.arange(tw)[None]
+            live = q < r["length"][:, None]  # [mb, tw]
+            dst_seq = jnp.where(live, r["pack_seq"][:, None], p)  # padding goes out of bounds: dropped
+            dst_pos = r["pack_off"][:, None] + q
+            seg = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], (n, tw))
+            segments = None
+            if "pack_share" in r:
+                # A row's first c tokens go to its unit's one prefix copy (every member writes the same
+                # values there), segment id n + 1 + its offset; the rest attend to it as their parent.
+                c, pre = r["pack_share"][:, None], r["pack_pre"][:, None]
+                in_pre = q < c
+                dst_pos = jnp.where(in_pre, pre + q, dst_pos)
+                prefix_id = jnp.broadcast_to(n + 1 + pre, (n, tw))
+            put = lambda x: jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(x, mode="drop")
+            if "pack_share" in r:
+                segments = (put(jnp.where(in_pre, prefix_id, seg)),
+                            put(jnp.where(in_pre | (c == 0), 0, prefix_id)),
+                            put(jnp.broadcast_to(q, (n, tw))))
+            rp = dict(r, pack_tokens=put(r["tokens"][:, :tw]), pack_segments=segments or put(seg))
+            return inner(mine, base, rp, cot)
+        return run
 
-            def run(mine, r, cot):
-                n, tw = r["tokens"].shape[0], min(t, T)  # a row is at most T long; a packed sequence may be longer
-                q = jnp.arange(tw)[None]
-                live = q < r["length"][:, None]  # [mb, tw]
-                dst_seq = jnp.where(live, r["pack_seq"][:, None], p)  # padding goes out of bounds: dropped
-                dst_pos = r["pack_off"][:, None] + q
-                seg = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], (n, tw))
-                segments = None
-                if "pack_share" in r:
-                    # A row's first c tokens go to its unit's one prefix copy (every member writes the same
-                    # values there), segment id n + 1 + its offset; the rest attend to it as their parent.
-                    c, pre = r["pack_share"][:, None], r["pack_pre"][:, None]
-                    in_pre = q < c
-                    dst_pos = jnp.where(in_pre, pre + q, dst_pos)
-                    prefix_id = jnp.broadcast_to(n + 1 + pre, (n, tw))
-                put = lambda x: jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(x, mode="drop")
-                if "pack_share" in r:
-                    segments = (put(jnp.where(in_pre, prefix_id, seg)),
-                                put(jnp.where(in_pre | (c == 0), 0, prefix_id)),
-                                put(jnp.broadcast_to(q, (n, tw))))
-                rp = dict(r, pack_tokens=put(r["tokens"][:, :tw]), pack_segments=segments or put(seg))
-                return inner(mine, rp, cot)
-            return run
-
-        def compute(carry, xs):
-            acc, num_total, mixed = carry
-            r, w, grp, slot = xs
-            mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
-            cot = w / den[slot]
-            if packed:  # the item's packed shape, chosen on the host (pack_batch)
-                shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0)
-                ks = tuple(used) if used is not None else tuple(range(len(shapes)))
-                which = jnp.searchsorted(jnp.asarray(ks, jnp.int32), jnp.max(r["pack_shape"]))
-                nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ks) - 1),
-                                               [packed_over(*shapes[k]) for k in ks], mine, r, cot)
-            elif len(ladder) == 1:
-                nums, gr, aux = terms_over(T)(mine, r, cot)
-            else:  # the shortest window that holds the item's longest row
-                which = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(r["length"]), side="left")
-                nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ladder) - 1),
-                                               [terms_over(t) for t in ladder], mine, r, cot)
-            num_total = num_total.at[slot].add(jnp.sum(nums * w))
-            if ucfg.diagnostics:
-                mg = jnp.max(grp)  # this item's group, -1 if all padding
-                mixed = mixed + jnp.sum((grp >= 0) & (grp != mg))
-                at = jnp.where(mg >= 0, mg, G)
-                acc = jax.tree_util.tree_map(lambda a, g: a.at[at].add(g, mode="drop"), acc, gr)
-            else:
-                acc = jax.tree_util.tree_map(lambda a, g: a.at[slot].add(g), acc, gr)
-            return (acc, num_total, mixed), (role_stats(aux, r, w, grp) if ucfg.metrics else None)
-
-        def body(carry, xs):
-            stats_shape = jax.eval_shape(lambda c, x: compute(c, x)[1], carry, xs)
-            skip = lambda c, x: (c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
-            return jax.lax.cond(jnp.any(xs[1] > 0), compute, skip, carry, xs)
-
-        acc0 = (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
-                if ucfg.diagnostics else jax.tree_util.tree_map(jnp.zeros_like, state.trainable))
-        if mesh is not None:  # gradient accumulators sharded like the weights they accumulate (FSDP)
-            acc0 = jax.lax.with_sharding_constraint(acc0, sharding.tree_shardings(acc0, mesh, rules))
-        (acc, num_total, mixed), mstats = jax.lax.scan(
-            body, (acc0, jnp.zeros((S,), jnp.float32), jnp.int32(0)), (mrows, mweight, mgroup, mslot))
+    def finish(state: TrainState, acc, num_total, mixed, role_st, den):
+        """From the accumulated item gradients: per-role diagnostics, levers, clipping and the optimizer."""
+        S = den.shape[0]
         loss_per_slot = num_total / den
         metrics = {"loss": jnp.sum(loss_per_slot), "loss_per_slot": loss_per_slot}
         if ucfg.diagnostics:  # rows of another group in a micro-batch: the batch was not group-aligned
             metrics["misaligned_rows"] = mixed
-
-        if ucfg.diagnostics:
             grads = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_slot, num_segments=S), acc)
             role_g = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_role, num_segments=K), acc)
             slot_of_role = jax.tree_util.tree_map(lambda x: x[k_slot], grads)  # [K, ...] slot grad of each role
@@ -519,8 +484,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                                                          state.grad_ema, k_slot, S)
         from marl_jax.rl.optim import global_norm_per_slot
         metrics["slot_grad_norm"] = global_norm_per_slot(grads)
-        if ucfg.metrics:  # combine micro-batches: sums add, maxima take the max
-            metrics["role_stats"] = {k: (v.max(0) if k.endswith("_max") else v.sum(0)) for k, v in mstats.items()}
+        if role_st is not None:
+            metrics["role_stats"] = role_st
 
         finite = jnp.isfinite(metrics["loss"]) & jnp.all(jnp.isfinite(metrics["slot_grad_norm"]))
         safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, 0.0), grads)
@@ -533,8 +498,153 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         metrics["finite"] = finite
         return new_state, metrics
 
-    fn = (jax.jit(step, donate_argnums=(0,), static_argnums=(3,)) if mesh is None
-          else _sharded_jit(step, mesh, rules))
+    def zero_acc(trainable):
+        one_slot_zero = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[1:], x.dtype), trainable)
+        return (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
+                if ucfg.diagnostics else jax.tree_util.tree_map(jnp.zeros_like, trainable))
+
+    def add_grad(acc, gr, slot, grp):
+        """Add one item's gradient to its group's accumulator (diagnostics) or its slot's; the count of
+        its rows from other groups (0 when the batch is group-aligned)."""
+        if ucfg.diagnostics:
+            mg = jnp.max(grp)  # this item's group, -1 if all padding
+            at = jnp.where(mg >= 0, mg, G)
+            return (jax.tree_util.tree_map(lambda a, g: a.at[at].add(g, mode="drop"), acc, gr),
+                    jnp.sum((grp >= 0) & (grp != mg)))
+        return jax.tree_util.tree_map(lambda a, g: a.at[slot].add(g), acc, gr), jnp.int32(0)
+
+    def fused(state: TrainState, base, batch: TrainBatch, used: tuple[int, ...] | None = None):
+        """The whole step as one program: a scan over items. used (packing, static): the pack_shapes indices
+        the batch's items take; only these compile."""
+        S, R, T = batch.tokens.shape
+        mb = min(ucfg.micro_batch, R)
+        M = R // mb
+        den = jnp.maximum(batch.den, 1.0)  # [S], counted on the host over every trained row
+        rows = rows_of(batch)
+        # [S, R, ...] -> [S * M, mb, ...]: one work item per (slot, micro-batch), slot-major. Items run one at
+        # a time on their own slot's parameters, so an item of padding only (a slot with fewer rows than the
+        # largest, bucketing, group alignment) is skipped outright: a slot vmap would compute every slot.
+        W = batch.targets.shape[2]
+        split = lambda x: x.reshape((S * M, mb) + x.shape[2:])
+        mrows = jax.tree_util.tree_map(split, rows)
+        if mesh is not None:  # each micro-batch's rows are split over data x fsdp
+            mrows = jax.tree_util.tree_map(
+                lambda x: sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2), mesh, rules), mrows)
+        mweight, mgroup = split(batch.row_weight), split(batch.group)
+        mslot = jnp.repeat(jnp.arange(S, dtype=jnp.int32), M)
+        ladder = length_ladder(T, ucfg.length_buckets) if batch.length is not None else (T,)
+
+        def compute(carry, xs):
+            acc, num_total, mixed = carry
+            r, w, grp, slot = xs
+            mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
+            cot = w / den[slot]
+            if ucfg.packing:  # the item's packed shape, chosen on the host (pack_batch)
+                shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0)
+                ks = tuple(used) if used is not None else tuple(range(len(shapes)))
+                which = jnp.searchsorted(jnp.asarray(ks, jnp.int32), jnp.max(r["pack_shape"]))
+                nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ks) - 1),
+                                               [packed_over(*shapes[k], T, W, mb) for k in ks], mine, base, r, cot)
+            elif len(ladder) == 1:
+                nums, gr, aux = terms_over(T, T, W, mb)(mine, base, r, cot)
+            else:  # the shortest window that holds the item's longest row
+                which = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(r["length"]), side="left")
+                nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ladder) - 1),
+                                               [terms_over(t, T, W, mb) for t in ladder], mine, base, r, cot)
+            num_total = num_total.at[slot].add(jnp.sum(nums * w))
+            acc, mix = add_grad(acc, gr, slot, grp)
+            return (acc, num_total, mixed + mix), (role_stats(aux, r, w, grp, W) if ucfg.metrics else None)
+
+        def body(carry, xs):
+            stats_shape = jax.eval_shape(lambda c, x: compute(c, x)[1], carry, xs)
+            skip = lambda c, x: (c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
+            return jax.lax.cond(jnp.any(xs[1] > 0), compute, skip, carry, xs)
+
+        acc0 = zero_acc(state.trainable)
+        if mesh is not None:  # gradient accumulators sharded like the weights they accumulate (FSDP)
+            acc0 = jax.lax.with_sharding_constraint(acc0, sharding.tree_shardings(acc0, mesh, rules))
+        (acc, num_total, mixed), mstats = jax.lax.scan(
+            body, (acc0, jnp.zeros((S,), jnp.float32), jnp.int32(0)), (mrows, mweight, mgroup, mslot))
+        role_st = None
+        if ucfg.metrics:  # combine micro-batches: sums add, maxima take the max
+            role_st = {k: (v.max(0) if k.endswith("_max") else v.sum(0)) for k, v in mstats.items()}
+        return finish(state, acc, num_total, mixed, role_st, den)
+
+    # ---- one program per item shape ----
+    # The fused program's shape is the batch's (rows, length, packed shapes used), which changes from step to
+    # step in RL, so it compiles again nearly every step. Run item by item instead, each item's program
+    # keyed by its own shape only (window or packed shape, micro-batch, completion window): after the first
+    # steps every program is compiled, and the persistent cache serves them across runs.
+    def item(trainable, base, r, w, grp, slot, cot, *, kind, T, W):
+        mine = jax.tree_util.tree_map(lambda x: x[slot], trainable)
+        mb = w.shape[0]
+        fn = packed_over(kind[1], kind[2], T, W, mb) if kind[0] == "pack" else terms_over(kind[1], T, W, mb)
+        nums, gr, aux = fn(mine, base, r, cot)
+        return jnp.sum(nums * w), gr, (role_stats(aux, r, w, grp, W) if ucfg.metrics else None)
+
+    def accumulate(carry, num, gr, st, slot, grp):
+        acc, num_total, mixed, role_st = carry
+        acc, mix = add_grad(acc, gr, slot, grp)
+        if st is not None:
+            role_st = {k: (jnp.maximum(role_st[k], v) if k.endswith("_max") else role_st[k] + v)
+                       for k, v in st.items()}
+        return acc, num_total.at[slot].add(num), mixed + mix, role_st
+
+    item_fn = jax.jit(item, static_argnames=("kind", "T", "W"))
+    accumulate_fn = jax.jit(accumulate, donate_argnums=(0,))
+    zero_fn = jax.jit(zero_acc)
+    finish_fn = jax.jit(finish, donate_argnums=(0,))
+
+    def itemwise(state: TrainState, base, batch: TrainBatch):
+        rows = rows_of(batch, np)
+        S, R, T = rows["tokens"].shape
+        mb = min(ucfg.micro_batch, R)
+        W = rows["targets"].shape[2]
+        den = np.maximum(np.asarray(batch.den, np.float32), np.float32(1.0))
+        weight, group = np.asarray(batch.row_weight, np.float32), np.asarray(batch.group, np.int32)
+        ladder = length_ladder(T, ucfg.length_buckets) if "length" in rows else (T,)
+        shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0) if ucfg.packing else ()
+        carry, role_st = None, None
+        for s in range(S):
+            for m in range(R // mb):
+                sl = slice(m * mb, (m + 1) * mb)
+                w = weight[s, sl]
+                if not np.any(w > 0):  # padding only
+                    continue
+                r = {k: v[s, sl] for k, v in rows.items()}
+                if ucfg.packing:
+                    p, t = shapes[int(r["pack_shape"].max())]
+                    kind = ("pack", p, t)
+                else:
+                    t = ladder[min(int(np.searchsorted(ladder, r["length"].max(), side="left")), len(ladder) - 1)
+                               ] if len(ladder) > 1 else T
+                    kind = ("window", t)
+                # Columns past the window are never read: the program's shape does not depend on T.
+                r["tokens"], r["valid"] = r["tokens"][:, :min(t, T)], r["valid"][:, :min(t, T)]
+                num, gr, st = item_fn(state.trainable, base, r, w, group[s, sl], np.int32(s), w / den[s],
+                                      kind=kind, T=min(t, T), W=W)
+                if carry is None:
+                    if st is not None:  # maxima start below any value, sums at zero
+                        role_st = {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0, v.dtype)
+                                   for k, v in st.items()}
+                    carry = (zero_fn(state.trainable), jnp.zeros((S,), jnp.float32), jnp.int32(0), role_st)
+                carry = accumulate_fn(carry, num, gr, st, np.int32(s), group[s, sl])
+        if carry is None:  # no trained row at all (rare): the fused program handles the empty batch
+            used = (0,) if ucfg.packing else None
+            return jax.jit(fused, donate_argnums=(0,), static_argnums=(3,))(state, base, batch, used)
+        acc, num_total, mixed, role_st = carry
+        return finish_fn(state, acc, num_total, mixed, role_st, jnp.asarray(den))
+
+    if mesh is None and ucfg.program in ("auto", "items"):
+        def items_step(state, base, batch):
+            if ucfg.packing and batch.pack_shape is None:
+                batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix)
+            return itemwise(state, base, batch)
+        items_step.item_programs = lambda: item_fn._cache_size()  # compiled item programs so far
+        return items_step
+
+    fn = (jax.jit(fused, donate_argnums=(0,), static_argnums=(3,)) if mesh is None
+          else _sharded_jit(fused, mesh, rules))
     if not ucfg.packing:
         return fn
 
