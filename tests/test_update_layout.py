@@ -131,7 +131,7 @@ def test_pack_rows_first_fit_decreasing_and_pack_shapes():
     assert (seq[1], off[1]) == (0, 0)  # padding: nowhere
     with pytest.raises(ValueError, match="does not fit"):
         pack_rows([70], 64)
-    assert pack_shapes(128, 4, 2) == ((1, 64), (2, 64), (4, 64), (1, 128), (2, 128), (4, 128))
+    assert pack_shapes(128, 4, 2) == ((1, 64), (2, 64), (4, 64), (1, 96), (2, 96), (4, 96), (1, 128), (2, 128), (4, 128))
     assert pack_shapes(64, 8, 1) == ((2, 64), (4, 64), (8, 64))
 
 
