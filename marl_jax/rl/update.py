@@ -590,6 +590,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                        for k, v in st.items()}
         return acc, num_total.at[slot].add(num), mixed + mix, role_st
 
+    fused_jit = jax.jit(fused, donate_argnums=(0,), static_argnums=(3,))
     item_fn = jax.jit(item, static_argnames=("kind", "T", "W"))
     accumulate_fn = jax.jit(accumulate, donate_argnums=(0,))
     zero_fn = jax.jit(zero_acc)
@@ -602,7 +603,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         W = rows["targets"].shape[2]
         den = np.maximum(np.asarray(batch.den, np.float32), np.float32(1.0))
         weight, group = np.asarray(batch.row_weight, np.float32), np.asarray(batch.group, np.int32)
-        ladder = length_ladder(T, ucfg.length_buckets) if "length" in rows else (T,)
+        windows = (item_windows(rows["length"], mb, T, ucfg.length_buckets) if "length" in rows
+                   else np.full((S, R // mb), T))
         shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0) if ucfg.packing else ()
         carry, role_st = None, None
         for s in range(S):
@@ -616,8 +618,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                     p, t = shapes[int(r["pack_shape"].max())]
                     kind = ("pack", p, t)
                 else:
-                    t = ladder[min(int(np.searchsorted(ladder, r["length"].max(), side="left")), len(ladder) - 1)
-                               ] if len(ladder) > 1 else T
+                    t = int(windows[s, m])
                     kind = ("window", t)
                 # Columns past the window are never read: the program's shape does not depend on T.
                 r["tokens"], r["valid"] = r["tokens"][:, :min(t, T)], r["valid"][:, :min(t, T)]
@@ -630,8 +631,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                     carry = (zero_fn(state.trainable), jnp.zeros((S,), jnp.float32), jnp.int32(0), role_st)
                 carry = accumulate_fn(carry, num, gr, st, np.int32(s), group[s, sl])
         if carry is None:  # no trained row at all (rare): the fused program handles the empty batch
-            used = (0,) if ucfg.packing else None
-            return jax.jit(fused, donate_argnums=(0,), static_argnums=(3,))(state, base, batch, used)
+            return fused_jit(state, base, batch, (0,) if ucfg.packing else None)
         acc, num_total, mixed, role_st = carry
         return finish_fn(state, acc, num_total, mixed, role_st, jnp.asarray(den))
 
@@ -643,8 +643,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         items_step.item_programs = lambda: item_fn._cache_size()  # compiled item programs so far
         return items_step
 
-    fn = (jax.jit(fused, donate_argnums=(0,), static_argnums=(3,)) if mesh is None
-          else _sharded_jit(fused, mesh, rules))
+    fn = fused_jit if mesh is None else _sharded_jit(fused, mesh, rules)
     if not ucfg.packing:
         return fn
 
