@@ -17,6 +17,10 @@ workflow: `<workflow> episodes_per_s=... total_s=... sampler_s=... glue_s=... re
 with `prefill_tokens_per_ep` (prompt tokens computed per episode) and `cached_tokens_per_ep` (prompt tokens
 loaded from the sampler's prefix cache instead).
 
+--conversation=chat lays eval_opt's calls out as one multi-turn chat per role (workflow_options.conversation),
+so that each call's prompt extends the role's previous prompt + completion; --conversation=both runs eval_opt
+both ways and prints `speedup=` of episodes/s of chat over quoted (the config's default).
+
 --prefix_cache=both runs every workflow twice, without the sampler's prefix cache (every prompt prefilled,
 as before it existed) and with it, and prints `speedup=` of episodes/s between the two.
 """
@@ -42,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix_cache", default="on", choices=("on", "off", "both"),
                    help="the sampler's prefix cache across calls; both: each workflow without, then with it")
+    p.add_argument("--conversation", default="quoted", choices=("quoted", "chat", "both"),
+                   help="eval_opt's prompt layout (workflow_options.conversation); both: quoted, then chat")
     args = p.parse_args(argv)
     args.workflows = [w.strip() for w in args.workflows.split(",") if w.strip()]
     bad = [w for w in args.workflows if w not in WORKFLOWS]
@@ -60,7 +66,7 @@ def load_config(workflow: str):
     return module.get_config("")
 
 
-def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True) -> dict:
+def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True, conversation: str = "") -> dict:
     """Warm-up then timed rollout of one workflow; returns the numbers of the timed one."""
     import jax
 
@@ -71,6 +77,8 @@ def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True) -> d
     cfg.num_tasks = args.num_tasks
     cfg.rollout.group_size = args.group_size
     cfg.policy = args.policy
+    if conversation:
+        cfg.workflow_options.conversation = conversation
     if args.max_new_tokens:
         for r in cfg.rollout.max_new_tokens:
             cfg.rollout.max_new_tokens[r] = args.max_new_tokens
@@ -98,7 +106,7 @@ def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True) -> d
     n_ep = len(res.episodes)
     tokens = sum(x["tokens"] for x in c)
     out = dict(
-        workflow=workflow + ("" if prefix_cache else "(no cache)"), episodes=n_ep, rows=len(res.rows), calls=len(c), tokens=tokens,
+        workflow=workflow + ("" if prefix_cache else "(no cache)") + (f"({conversation})" if conversation else ""), episodes=n_ep, rows=len(res.rows), calls=len(c), tokens=tokens,
         total_s=t["total_s"], sampler_s=t.get("sampler_s", 0.0), glue_s=t.get("glue_s", 0.0),
         reward_s=t.get("reward_s", 0.0), prefill_s=sum(x.get("prefill_s", 0.0) for x in c),
         decode_s=sum(x.get("decode_s", 0.0) for x in c),
@@ -135,8 +143,10 @@ def main(argv=None):
 
     rows = []
     modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.prefix_cache]
-    for wf, pc in ((w, m) for w in args.workflows for m in modes):
-        r = bench_one(wf, args, model, tasks, prefix_cache=pc)
+    conversations = {"quoted": ("",), "chat": ("chat",), "both": ("quoted", "chat")}[args.conversation]
+    runs = [(w, m, c) for w in args.workflows for m in modes for c in (conversations if w == "eval_opt" else ("",))]
+    for wf, pc, conv in runs:
+        r = bench_one(wf, args, model, tasks, prefix_cache=pc, conversation=conv)
         rows.append(r)
         stages = ", ".join(f"{k}: {n} rows ({u} prefilled) {tok} tok {s:.1f}s"
                            for k, (n, u, tok, s) in r["stages"].items())
@@ -159,8 +169,22 @@ def main(argv=None):
               f"glue_s={r['glue_s']:.4f} reward_s={r['reward_s']:.4f} compile_s={r['compile_s']:.1f} "
               f"tokens={r['tokens']} prefill_tokens_per_ep={r['prefill_tokens_per_ep']:.1f} "
               f"cached_tokens_per_ep={r['cached_tokens_per_ep']:.1f}")
+    if args.conversation == "both":
+        by = {(w, m, c): r for (w, m, c), r in zip(runs, rows)}
+        for m in modes:
+            q, c = by.get(("eval_opt", m, "quoted")), by.get(("eval_opt", m, "chat"))
+            if q and c:
+                print(f"eval_opt quoted -> chat{'' if m else ' (no cache)'}: episodes_per_s {q['episodes_per_s']:.3f} -> "
+                      f"{c['episodes_per_s']:.3f} speedup={c['episodes_per_s'] / q['episodes_per_s']:.2f}, prefill tokens "
+                      f"per episode {q['prefill_tokens_per_ep']:.0f} -> {c['prefill_tokens_per_ep']:.0f} (cached "
+                      f"{q['cached_tokens_per_ep']:.0f} -> {c['cached_tokens_per_ep']:.0f}), success {q['success']:.2f} / "
+                      f"{c['success']:.2f}")
     if args.prefix_cache == "both":
-        for off, on in zip(rows[::2], rows[1::2]):
+        pairs = {}
+        for (w, m, c), r in zip(runs, rows):
+            pairs.setdefault((w, c), {})[m] = r
+        for (w, c), d in pairs.items():
+            off, on = d[False], d[True]
             print(f"{on['workflow']} prefix cache: episodes_per_s {off['episodes_per_s']:.3f} -> {on['episodes_per_s']:.3f} "
                   f"speedup={on['episodes_per_s'] / off['episodes_per_s']:.2f}, prefill tokens per episode "
                   f"{off['prefill_tokens_per_ep']:.0f} -> {on['prefill_tokens_per_ep']:.0f}, same rows: "

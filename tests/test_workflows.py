@@ -481,6 +481,72 @@ def test_eval_opt_default_rounds_per_kind():
     res = RUN(wf, math_tasks(1), 1, s, role_to_slot="shared")
     assert len(s.calls) == 6 and res.episodes[0].outcomes["iterations"] == 3
 
+def _chat_extends(rows):
+    """Each row's prompt starts with the previous row's prompt + completion, token for token."""
+    return all(b.prompt_tokens[:len(a.prompt_tokens) + len(a.completion_tokens)]
+               == a.prompt_tokens + a.completion_tokens for a, b in zip(rows, rows[1:]))
+
+
+_T1_PLAN = {"T1": [(r"attempt A \boxed{1}", r"Step 2 is off. \boxed{Incorrect}"),
+                   (r"attempt B ab \boxed{5}", "I am unsure."),
+                   (r"attempt C \boxed{2}", r"\boxed{Correct}")]}
+
+
+def test_eval_opt_chat_prompts_extend_each_roles_previous_call():
+    tasks = [math_tasks(2)[1]]
+    quoted, chat = Script(_eval_script(_T1_PLAN)), Script(_eval_script(_T1_PLAN))
+    rq = RUN(make_workflow("eval_opt", max_iterations=3), tasks, 1, quoted, role_to_slot="shared")
+    rc = RUN(make_workflow("eval_opt", max_iterations=3, conversation="chat"), tasks, 1, chat,
+             role_to_slot="shared")
+    gens = [r for r in rc.rows if r.role == "generator"]
+    evals = [r for r in rc.rows if r.role == "evaluator"]
+    assert len(gens) == len(evals) == 3
+    # Same dataflow, outcomes and credit as the quoted form; only the prompts' layout differs.
+    assert [(c["stage"], len(c["prompts"])) for c in chat.calls] == [
+        (c["stage"], len(c["prompts"])) for c in quoted.calls]
+    assert rc.episodes[0].outcomes == rq.episodes[0].outcomes
+    assert [r.reward for r in rc.rows] == [r.reward for r in rq.rows]
+    # Each role's chat grows: its previous prompt + completion (stop token included, "ab" as sampled
+    # bytes) starts its next prompt, so a prefix cache can load all of it.
+    assert _chat_extends(gens) and _chat_extends(evals)
+    assert not _chat_extends([r for r in rq.rows if r.role == "generator"])
+    # Who sees what: the reviser sees the review after its own attempt; the evaluator its own review,
+    # then the new attempt.
+    g1 = chat.stage_calls("generate_1")[0]["texts"][0]
+    order = ["Problem T1", "attempt A", "<|im_start|>user\n=== Review of attempt 1", "Step 2 is off.",
+             "different approach"]
+    assert [g1.index(x) for x in order] == sorted(g1.index(x) for x in order)
+    e2 = chat.stage_calls("evaluate_2")[0]["texts"][0]
+    order = ["Problem T1", "attempt A", "Step 2 is off.", "attempt B", "I am unsure.", "attempt C"]
+    assert [e2.index(x) for x in order] == sorted(e2.index(x) for x in order)
+    assert e2.count("<|im_start|>assistant") == 3  # two past reviews + the generation prompt
+    with pytest.raises(ValueError, match="conversation must be one of"):
+        make_workflow("eval_opt", conversation="threaded")
+
+
+def test_eval_opt_chat_prompts_extend_with_the_real_chat_template(smollm):
+    """With SmolLM2's own tokenizer and chat template, on every packaged prompt set."""
+    tok = smollm.tokenizer
+
+    class Sampled:
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, slot, prompts, max_new_tokens, stage):
+            self.calls.append(stage)
+            text = r"It is \boxed{Incorrect}" if stage.startswith("evaluate") else "x = 2 + 2 = 4"
+            toks = tok.encode(text) + [tok.eos_token_ids[0]]
+            return [Completion(toks, [-0.5] * len(toks), True) for _ in prompts]
+
+    for prompt_dir, task in (("", math_tasks(1)[0]), ("compact", math_tasks(1)[0]),
+                             ("", Task("C0", "code", "Problem C0: print 4", None))):
+        wf = make_workflow("eval_opt", conversation="chat", prompt_dir=prompt_dir)
+        res = run_episodes(wf, [task], 1, Sampled(), tokenizer=tok, role_to_slot="shared",
+                           grade_fn=lambda t, x: Score(0.0))
+        for role in ("generator", "evaluator"):
+            rows = [r for r in res.rows if r.role == role]
+            assert len(rows) == wf.iterations_for(task.kind) and _chat_extends(rows), (prompt_dir, role)
+
 # ---------------------------------------------------------------------------------------------
 # Orchestrator-Workers
 # ---------------------------------------------------------------------------------------------

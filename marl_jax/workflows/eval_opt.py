@@ -6,6 +6,18 @@ Incorrect (no verdict counts as Incorrect). On Correct, or after the episode's l
 episode stops; otherwise generator turn r+1 sees the same conversation including the latest review
 and writes a new solution with a different approach. The final answer is the last generator output,
 so a math episode makes at most 3 generator + 3 evaluator calls.
+
+How the conversation reaches each call (`conversation`):
+- "quoted" (the default): every call is one user message that quotes the problem and the history so
+  far (attempts and reviews) before the round's instruction.
+- "chat": each role keeps one multi-turn chat. The generator's round r is its round r-1 chat, its
+  own attempt as the assistant turn, and a user turn with the review and the instruction to revise;
+  the evaluator's is its previous chat, its own review as the assistant turn, and a user turn with
+  the new attempt. Every prompt then starts with the role's previous prompt + completion token for
+  token, so the sampler's prefix cache loads nearly all of it instead of prefilling it again (the
+  quoted form can reuse only up to the end of the earlier history). Where a chat template renders
+  a past assistant turn differently from the generation prompt (Qwen3 drops the empty think block),
+  reuse stops at that point but rows stay correct.
 """
 from __future__ import annotations
 
@@ -20,13 +32,16 @@ __all__ = ["EvalOpt", "DEFAULT_MAX_ITERATIONS"]
 
 # The reference's round limits per task kind.
 DEFAULT_MAX_ITERATIONS = {"math": 3, "code": 2}
+CONVERSATIONS = ("quoted", "chat")
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalOpt(Workflow):
-    """max_iterations: rounds per episode; None = 3 on math, 2 on code."""
+    """max_iterations: rounds per episode; None = 3 on math, 2 on code. conversation: "quoted" or "chat"
+    (see the module docstring)."""
 
     max_iterations: int | None = None
+    conversation: str = "quoted"
 
     name: ClassVar[str] = "eval_opt"
     roles: ClassVar[tuple[str, ...]] = ("generator", "evaluator")
@@ -36,6 +51,8 @@ class EvalOpt(Workflow):
                 isinstance(self.max_iterations, bool) or not isinstance(self.max_iterations, int)
                 or self.max_iterations < 1):
             raise ValueError(f"max_iterations must be an int >= 1 or None; got {self.max_iterations!r}")
+        if self.conversation not in CONVERSATIONS:
+            raise ValueError(f"conversation must be one of {CONVERSATIONS}; got {self.conversation!r}")
 
     def iterations_for(self, kind: str) -> int:
         if self.max_iterations is not None:
@@ -62,6 +79,26 @@ class EvalOpt(Workflow):
                                        review=Splice.of(evals[k]))
         return parts
 
+    def _chat(self, ep: EpisodeState, role: str, r: int) -> tuple:
+        """Round r's multi-turn chat for role: its round-0 prompt, then per later round its own
+        completion (assistant) and a user turn with the other role's latest output."""
+        gens, evals = ep.rows_of("generator"), ep.rows_of("evaluator")
+        q = ep.task.question
+        if role == "generator":
+            msgs = list(self.chat(ep, "eval_opt", "generator", question=q))
+            for j in range(r):
+                msgs.append(("assistant", (Splice.of(gens[j]),)))
+                msgs.append(("user", tuple(self.fragment(ep, "eval_opt", "generator_followup", j=j + 1,
+                                                         k=j + 2, review=Splice.of(evals[j])))))
+            return tuple(msgs)
+        first = self.fragment(ep, "eval_opt", "attempt", k=1, solution=Splice.of(gens[0]))
+        msgs = list(self.chat(ep, "eval_opt", "evaluator", question=q, history=first, k=1))
+        for j in range(1, r + 1):
+            msgs.append(("assistant", (Splice.of(evals[j - 1]),)))
+            msgs.append(("user", tuple(self.fragment(ep, "eval_opt", "evaluator_followup", k=j + 1,
+                                                     solution=Splice.of(gens[j])))))
+        return tuple(msgs)
+
     def requests(self, stage: Stage, ep: EpisodeState) -> list[Request]:
         r = int(stage.name.rsplit("_", 1)[1])
         n_gen, n_eval = len(ep.rows_of("generator")), len(ep.rows_of("evaluator"))
@@ -70,7 +107,9 @@ class EvalOpt(Workflow):
         if stage.role == "generator":
             if n_gen != r or n_eval != r:
                 return []
-            if r == 0:
+            if self.conversation == "chat":
+                msgs = self._chat(ep, "generator", r)
+            elif r == 0:
                 msgs = self.chat(ep, "eval_opt", "generator", question=ep.task.question)
             else:
                 msgs = self.chat(ep, "eval_opt", "generator_revise", question=ep.task.question,
@@ -78,8 +117,11 @@ class EvalOpt(Workflow):
             return [Request(msgs, {"round": r})]
         if n_gen != r + 1 or n_eval != r:
             return []
-        msgs = self.chat(ep, "eval_opt", "evaluator", question=ep.task.question,
-                         history=self._history(ep), k=r + 1)
+        if self.conversation == "chat":
+            msgs = self._chat(ep, "evaluator", r)
+        else:
+            msgs = self.chat(ep, "eval_opt", "evaluator", question=ep.task.question,
+                             history=self._history(ep), k=r + 1)
         return [Request(msgs, {"round": r, "judges_attempt": r + 1})]
 
     def consume(self, stage: Stage, ep: EpisodeState, rows: list[Row]) -> None:
