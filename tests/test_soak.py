@@ -31,7 +31,9 @@ from test_learning import digit_tasks, learning_config, tiny_tokenizer  # noqa: 
 
 STEPS = 200
 WARMUP = 60  # steps before memory and compile counts must be flat: past the first validation/checkpoint cycle
-BUDGET_S = 180
+# Catches a hang or a run that recompiles every step (far past this), not speed: a loaded machine may take
+# 200 s where an idle one takes 120 s (speed is measured by benchmarks/, not by tests).
+BUDGET_S = 900
 
 _compiles = [0]
 
