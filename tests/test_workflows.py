@@ -481,6 +481,7 @@ def test_eval_opt_default_rounds_per_kind():
     res = RUN(wf, math_tasks(1), 1, s, role_to_slot="shared")
     assert len(s.calls) == 6 and res.episodes[0].outcomes["iterations"] == 3
 
+
 def _chat_extends(rows):
     """Each row's prompt starts with the previous row's prompt + completion, token for token."""
     return all(b.prompt_tokens[:len(a.prompt_tokens) + len(a.completion_tokens)]
