@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,10 @@ from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
 
 FWD_MESHES = ((2, 1, 4), (4, 1, 2))  # forward only: a vocabulary of 322 splits over 2 but not 4
 UPDATE_MESHES = ((8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2))
+# Each (policy, mode) on the meshes that test it: Shared LoRA (the default) on all of them, the others on
+# a mesh with every axis and one with fsdp alone or with model (each case compiles a fused step: minutes).
+UPDATE_CASES = {("shared", "lora"): UPDATE_MESHES, ("isolated", "lora"): ((2, 2, 2),),
+                ("shared", "full"): ((1, 8, 1), (2, 2, 2)), ("isolated", "full"): ((1, 4, 2),)}
 
 # vocab 322 = 2 * 161: split on a model axis of 2, not of 4. Every other dimension divides 8.
 CFG = ModelConfig(family="qwen2", vocab_size=322, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -101,8 +106,10 @@ def main():
     out = {"devices": len(jax.devices()), "logits_scale": float(np.abs(ref).max()), "forward": {}, "update": {},
            "bytes": {}}
 
+    t0 = time.time()
     for data, fsdp, model in sorted(set(FWD_MESHES + UPDATE_MESHES)):
         name = f"{data}x{fsdp}x{model}"
+        print(f"[{time.time() - t0:6.0f}s] forward and sampler on {name}", file=sys.stderr, flush=True)
         mesh = sharding.make_mesh(data, model, fsdp=fsdp)
         sharded = sharding.shard_params(params, mesh)
         res = {
@@ -127,29 +134,30 @@ def main():
                          trainable=jax.device_put(ltr, sharding.tree_shardings(ltr, mesh)), slot=1)
         res["lora_slot_same"] = gl.tokens.tolist() == gl_ref.tokens.tolist()
 
-    for policy in ("shared", "isolated"):
-        for mode in ("lora", "full"):
-            new1, m1, _, _ = update_case(params, policy, mode, None)
-            for data, fsdp, model in UPDATE_MESHES:
-                mesh = sharding.make_mesh(data, model, fsdp=fsdp)
-                new, m, state, base = update_case(params, policy, mode, mesh)
-                case = {
-                    "loss": [float(m1["loss"]), float(m["loss"])],
-                    "metrics_max_diff": max_diff(m1, m),
-                    "params_max_diff": max_diff(new1.trainable, new.trainable),
-                    "opt_max_diff": max_diff(new1.opt_state, new.opt_state),
-                    "misaligned": int(m["misaligned_rows"]),
-                    "out_specs_kept": all(x.sharding == y.sharding for x, y in zip(
-                        jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(state))),
-                }
-                if mode == "full":
-                    case["bytes"] = {"base": sharding.bytes_per_device(base),
-                                     "trainable": sharding.bytes_per_device(new.trainable),
-                                     "opt_state": sharding.bytes_per_device(new.opt_state),
-                                     "base_total": sum(x.nbytes for x in jax.tree_util.tree_leaves(base)),
-                                     "trainable_total": sum(x.nbytes for x in jax.tree_util.tree_leaves(new.trainable)),
-                                     "opt_total": sum(x.nbytes for x in jax.tree_util.tree_leaves(new.opt_state))}
-                out["update"][f"{policy}/{mode}/{data}x{fsdp}x{model}"] = case
+    for (policy, mode), meshes in UPDATE_CASES.items():
+        new1, m1, _, _ = update_case(params, policy, mode, None)
+        for data, fsdp, model in meshes:
+            print(f"[{time.time() - t0:6.0f}s] update {policy}/{mode} on {data}x{fsdp}x{model}", file=sys.stderr,
+                  flush=True)
+            mesh = sharding.make_mesh(data, model, fsdp=fsdp)
+            new, m, state, base = update_case(params, policy, mode, mesh)
+            case = {
+                "loss": [float(m1["loss"]), float(m["loss"])],
+                "metrics_max_diff": max_diff(m1, m),
+                "params_max_diff": max_diff(new1.trainable, new.trainable),
+                "opt_max_diff": max_diff(new1.opt_state, new.opt_state),
+                "misaligned": int(m["misaligned_rows"]),
+                "out_specs_kept": all(x.sharding == y.sharding for x, y in zip(
+                    jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(state))),
+            }
+            if mode == "full":
+                case["bytes"] = {"base": sharding.bytes_per_device(base),
+                                 "trainable": sharding.bytes_per_device(new.trainable),
+                                 "opt_state": sharding.bytes_per_device(new.opt_state),
+                                 "base_total": sum(x.nbytes for x in jax.tree_util.tree_leaves(base)),
+                                 "trainable_total": sum(x.nbytes for x in jax.tree_util.tree_leaves(new.trainable)),
+                                 "opt_total": sum(x.nbytes for x in jax.tree_util.tree_leaves(new.opt_state))}
+            out["update"][f"{policy}/{mode}/{data}x{fsdp}x{model}"] = case
 
     # Full training: per-device bytes as fsdp grows (data x fsdp = 8, model 1).
     for fsdp in (1, 2, 4, 8):
