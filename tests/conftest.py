@@ -9,10 +9,41 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import shutil
+import sys
+import tempfile
 
 import pytest
 
 SMOLLM = "smollm2-135m-instruct"
+
+# One XLA compilation cache for the whole session, fresh each time, shared with the subprocesses tests
+# start: tests build many samplers and trainers over the same tiny models, whose programs are the same
+# HLO under new jit objects (a hit skips XLA's compile; a third of the suite's time is compiling).
+_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+_session_cache: list[str] = []
+
+
+def pytest_configure(config):
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("MARL_JAX_CACHE"):
+        return  # the caller chose a cache (or "off"): leave it
+    path = tempfile.mkdtemp(prefix="marl_jax-test-xla-")
+    _session_cache.append(path)
+    env = {**_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR": path}
+    os.environ.update(env)
+    os.environ["MARL_JAX_CACHE"] = path  # launch/run.py and the notebooks: this cache, not ~/.cache
+    if "jax" in sys.modules:  # a plugin imported JAX before this hook: its config read the environment already
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    for path in _session_cache:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
