@@ -17,7 +17,7 @@ produces them: prompts of 70-500 tokens, completions log-uniform from 4 tokens t
 (a policy some steps into training) so that the adapters change the output and the loss check covers them.
 
 marl_jax: make_train_step with UpdateConfig(diagnostics=False, metrics=False, remat=--remat,
-length_buckets=--length_buckets, dtype=--dtype) is the headline;
+length_buckets=--length_buckets, dtype=--dtype, unroll=--unroll) is the headline;
 the step with diagnostics and metrics on (exact per-role gradients from group-aligned micro-batches) is
 reported after it. Each is timed
 after a warm-up call, whose time (compilation included) is reported separately.
@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--share_prefix", type=int, default=0,
                    help="with --packing: marl_jax lays rows sharing >= this many leading tokens over one copy "
                         "of them (grpo.share_prefix; 0: off)")
+    p.add_argument("--unroll", action="store_true",
+                   help="marl_jax runs the layers as straight-line code, not a loop (grpo.unroll: ~2x compile)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="marl_jax base-model compute dtype (adapters, gradients, optimizer stay float32)")
     args = p.parse_args(argv)
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     groups = make_groups(roles, role_to_slot, None)
     ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False, remat=args.remat,
                             length_buckets=args.length_buckets, packing=args.packing,
-                            share_prefix=args.share_prefix,
+                            share_prefix=args.share_prefix, unroll=args.unroll,
                             dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     batch = make_batch(rows, advs.astype(np.float32), role_to_slot=role_to_slot, num_slots=1, groups=groups,
                        micro_batch=args.micro_batch, pad_id=tok.pad_id, agg=ucfg_off.agg)

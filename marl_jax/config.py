@@ -53,6 +53,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # Compaction of finished rows moves through 2 batch sizes per octave; a tail still decoding after
         # compaction_patience steps is fitted to compaction_buckets sizes per octave (marl_jax.generate.sampler)
         compaction_buckets=16, compaction_patience=64,
+        # LoRA over float32 weights: fold each slot's adapters into a copy of the weights for sampling (faster
+        # prefill and decode; one more copy of the layer weights in memory)
+        merge_lora=True,
     ))
     c.advantage = ml_collections.ConfigDict(dict(standardize=True, eps=1e-6))
     c.grpo = ml_collections.ConfigDict(dict(
@@ -69,6 +72,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # With packing: rows of a micro-batch that start with the same share_prefix+ tokens (a task's
         # episodes, a role's instructions) are laid over one copy of that prefix, computed once (0: off)
         share_prefix=0,
+        # The layers as straight-line code instead of a loop: no per-layer copies of activations through the
+        # loop's stacked buffers in the backward pass, about twice the compile time (marl_jax.models.decoder)
+        unroll=False,
     ))
     c.optim = ml_collections.ConfigDict(dict(
         lr=2e-5, weight_decay=0.01, grad_clip=1.0, schedule="constant", warmup_steps=0, min_lr_ratio=0.0))

@@ -34,14 +34,15 @@ def _uneven_rows(rng, spec):
 
 
 def _run(rows, advs, roles, role_to_slot, copies, *, sort, buckets, micro_batch=4, head_chunk=0, dtype=jnp.float32,
-         metrics=True, seed=0, packing=False, share_prefix=0, program="auto"):
+         metrics=True, seed=0, packing=False, share_prefix=0, program="auto", remat="full", unroll=False):
     base, spec, tr = _setup(max(role_to_slot.values()) + 1, seed)
     groups = make_groups(roles, role_to_slot, copies)
     batch = make_batch(rows, np.asarray(advs, np.float32), role_to_slot=role_to_slot, num_slots=spec.num_slots,
                        groups=groups, micro_batch=micro_batch, sort_by_length=sort)
     tx = optim.per_slot(optax.sgd(LR))
     ucfg = UpdateConfig(micro_batch=micro_batch, length_buckets=buckets, head_chunk=head_chunk, dtype=dtype,
-                        metrics=metrics, packing=packing, share_prefix=share_prefix, program=program)
+                        metrics=metrics, packing=packing, share_prefix=share_prefix, program=program, remat=remat,
+                        unroll=unroll)
     step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
                            group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                            role_slot=[role_to_slot[r] for r in roles])
@@ -120,6 +121,17 @@ def test_isolated_slots_with_token_windows_equal_the_plain_layout():
     roles, r2s = ["gen", "judge"], {"gen": 0, "judge": 1}
     _assert_same_step(_run(rows, advs, roles, r2s, None, sort=False, buckets=1),
                       _run(rows, advs, roles, r2s, None, sort=True, buckets=3))
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_give_the_loops_step(remat):
+    """grpo.unroll (the layers as straight-line code) computes the step the layer loop computes."""
+    rng = np.random.RandomState(4)
+    rows = _uneven_rows(rng, [("gen", 6, 3), ("judge", 4, 1)])
+    advs = list(rng.randn(len(rows)))
+    roles, r2s = ["gen", "judge"], {"gen": 0, "judge": 0}
+    _assert_same_step(_run(rows, advs, roles, r2s, {"gen": 3}, sort=True, buckets=4, remat=remat),
+                      _run(rows, advs, roles, r2s, {"gen": 3}, sort=True, buckets=4, remat=remat, unroll=True))
 
 
 def test_pack_rows_first_fit_decreasing_and_pack_shapes():

@@ -62,6 +62,7 @@ class UpdateConfig:
     dtype: Any = jnp.float32  # compute dtype of the base model; adapters, gradients and optimizer stay float32
     length_buckets: int = 4  # token windows per batch (T/n, 2T/n, ..., T); 1 runs every item over all T
     head_chunk: int = 0  # LM-head positions per chunk (0: chunk only when one item's logits exceed 256 MiB)
+    unroll: bool = False  # the layers as straight-line code, not a loop (decoder.Decoder.unroll): faster, 2x compile
     # Sequence packing: the rows of a micro-batch are laid end to end in fewer sequences (segment ids,
     # per-row positions, attention within a row only), each item over the packed shape (sequences x
     # window, from pack_shapes) with the fewest positions. Values are unchanged (tests/test_update_layout.py).
@@ -309,7 +310,7 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
         h = decoder.forward(p, cfg, rows["pack_tokens"] if packed else rows["tokens"], None if packed else rows["valid"],
                             lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype, return_hidden=True,
                             remat=remat or ucfg.remat, mesh=mesh, rules=rules,
-                            segments=rows["pack_segments"] if packed else None)
+                            segments=rows["pack_segments"] if packed else None, unroll=ucfg.unroll)
         if packed:  # each row's scored positions, read back from where its row was laid in the packed sequences
             pos = rows["pack_off"][:, None] + idx
             if "pack_share" in rows:  # positions inside a shared prefix are read from its one copy
