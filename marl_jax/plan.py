@@ -228,12 +228,10 @@ def param_leaves(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 _MODEL_AXIS = {"embed": 0, "lm_head": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w_gate": 1, "w_up": 1, "w_down": 0}
 
 
-def sharded_param_count(cfg: ModelConfig, mesh: Mesh, layers_only: bool = False) -> float:
-    """Parameters held by one device (layers_only: the decoder layers' only, without embeddings and head)."""
+def sharded_param_count(cfg: ModelConfig, mesh: Mesh) -> float:
+    """Parameters held by one device."""
     total = 0.0
     for name, shape, times in param_leaves(cfg):
-        if layers_only and name in ("embed", "final_norm", "lm_head"):
-            continue
         n = math.prod(shape) * times
         if name in _MODEL_AXIS and len(shape) == 2:
             ax = _MODEL_AXIS[name]
@@ -275,13 +273,7 @@ def static_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh) -> dict[str,
     # per-role sums the diagnostics compare), or one per slot without diagnostics; plus optax's updates.
     K = len(w.roles)
     grads = slot * ((G + S + K) if G else 2 * S)
-    # LoRA sampling in float32 folds one slot's adapters into a copy of the layer weights (rollout.merge_lora),
-    # held during rollouts only.
-    folded = (sharded_param_count(cfg, mesh, layers_only=True) * 4
-              if config.trainable.mode == "lora" and config.rollout.get("merge_lora", False)
-              and str(config.model.dtype) == "float32" else 0.0)
-    return {"base_weights": base, "trainable": slot * S, "gradients": grads, "optimizer": 2 * slot * S,
-            "folded_weights": folded}
+    return {"base_weights": base, "trainable": slot * S, "gradients": grads, "optimizer": 2 * slot * S}
 
 
 def paged_pool_blocks(rows: int, distinct: int, P: int, Tn: int, block: int) -> tuple[int, int]:
@@ -391,7 +383,7 @@ def memory(cfg: ModelConfig, config, w: Workload, knobs: Knobs) -> dict[str, flo
     held = st["base_weights"] + st["trainable"] + st["optimizer"]
     out = dict(st, kv_cache=kv, prefill_transient=prefill, sampler_batch=B, activations=act,
                update_batch=batch_bytes(w, knobs.micro_batch, knobs.mesh))
-    out["rollout_peak"] = held + st["folded_weights"] + kv + prefill
+    out["rollout_peak"] = held + kv + prefill
     out["update_peak"] = held + st["gradients"] + act + out["update_batch"]
     out["peak"] = max(out["rollout_peak"], out["update_peak"])
     return out
@@ -542,8 +534,8 @@ def format_plan(p: dict[str, Any]) -> str:
         "| per device | GiB |",
         "|---|---|",
     ]
-    for k in ("base_weights", "trainable", "gradients", "optimizer", "folded_weights", "kv_cache",
-              "prefill_transient", "activations", "update_batch", "rollout_peak", "update_peak"):
+    for k in ("base_weights", "trainable", "gradients", "optimizer", "kv_cache", "prefill_transient",
+              "activations", "update_batch", "rollout_peak", "update_peak"):
         lines.append(f"| {k} | {_gb(m[k]).strip()} |")
     lines.append(f"| **peak** | **{_gb(m['peak']).strip()}** ({'fits' if p['fits'] else 'does NOT fit'}) |")
     lines += ["", "update peak (GiB) by remat and micro-batch:", "",

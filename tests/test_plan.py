@@ -212,23 +212,3 @@ def test_cli_prints_a_plan_and_a_search(tmp_path):
     assert "does NOT fit" in out.stdout and "roofline" in out.stdout
     out = run("--config=configs/voting.py:qwen3-4b,math", "--chip=v9")
     assert out.returncode != 0 and "unknown --chip" in out.stderr
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_folded_weights_are_the_bytes_the_sampler_folds(dtype):
-    """rollout.merge_lora: the planner counts the copy of the layer weights the sampler makes (float32 only)."""
-    from marl_jax.generate.sampler import Sampler, SamplingParams
-
-    c = _config()
-    c.model.dtype = dtype
-    w = _workload(c)
-    planned = P.static_bytes(CFG, c, w, P.Mesh())["folded_weights"]
-    params = decoder.init_params(CFG, jax.random.PRNGKey(0))
-    spec = PolicySpec(rank=16, alpha=32.0, num_slots=3)
-    s = Sampler(CFG, spec=spec, dtype=jnp.dtype(dtype), prefix_cache_tokens=0)
-    s.generate(params, [[1, 2, 3]], jax.random.PRNGKey(0), SamplingParams(max_new_tokens=2, temperature=0.0),
-               trainable=init_trainable(spec, CFG, params, jax.random.PRNGKey(1)), slot=2)
-    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(s._merged[3]["layers"])) if s._merged else 0
-    assert planned == held and (held > 0) == (dtype == "float32")
-    c.rollout.merge_lora = False
-    assert P.static_bytes(CFG, c, w, P.Mesh())["folded_weights"] == 0
