@@ -53,9 +53,6 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # Compaction of finished rows moves through 2 batch sizes per octave; a tail still decoding after
         # compaction_patience steps is fitted to compaction_buckets sizes per octave (marl_jax.generate.sampler)
         compaction_buckets=16, compaction_patience=64,
-        # LoRA over float32 weights: fold each slot's adapters into a copy of the weights for sampling (faster
-        # prefill and decode; one more copy of the layer weights in memory)
-        merge_lora=True,
     ))
     c.advantage = ml_collections.ConfigDict(dict(standardize=True, eps=1e-6))
     c.grpo = ml_collections.ConfigDict(dict(

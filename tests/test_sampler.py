@@ -137,44 +137,6 @@ def test_logprobs_equal_teacher_forced_pass(tiny, sampler, temperature, top_p, t
                     assert probs[j][above].sum() < top_p + 1e-6
 
 
-def test_lora_slot_folded_into_the_weights_scores_as_the_update_does(tiny):
-    """An Isolated-Policy slot's adapters are folded into the weights for sampling (merge_lora, the default):
-    greedy tokens equal sampling with the adapters kept apart, and the sampled log-probs equal the unfolded
-    teacher-forced pass the update scores with (1e-4). One fold per (params, trainable, slot)."""
-    from marl_jax.policy.lora import PolicySpec, init_trainable
-
-    cfg, params, _ = tiny
-    spec = PolicySpec(rank=4, alpha=8.0, num_slots=2)
-    tr = jax.tree_util.tree_map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(3), x.shape),
-                                init_trainable(spec, cfg, params, jax.random.PRNGKey(4)))
-    prompts = random_prompts(6, cfg.vocab_size, seed=5)
-    folded, apart = Sampler(cfg, pad_id=PAD, spec=spec), Sampler(cfg, pad_id=PAD, spec=spec, merge_lora=False)
-    for temperature in (0.0, 0.7):
-        sp = SamplingParams(max_new_tokens=12, temperature=temperature)
-        a = folded.generate(params, prompts, jax.random.PRNGKey(2), sp, trainable=tr, slot=1)
-        b = apart.generate(params, prompts, jax.random.PRNGKey(2), sp, trainable=tr, slot=1)
-        if temperature == 0.0:
-            assert a.tokens.tolist() == b.tokens.tolist()
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)  # float32 rounding of W + sAB
-        seqs = [p + a.row(i)[0] for i, p in enumerate(prompts)]
-        T = max(map(len, seqs))
-        tokens = np.array([s + [PAD] * (T - len(s)) for s in seqs])
-        valid = np.array([[j < len(s) for j in range(T)] for s in seqs])
-        lora = jax.tree_util.tree_map(lambda x: x[1], tr)
-        logits = np.asarray(decoder.forward(params, cfg, tokens, valid, lora=lora, lora_scale=spec.scale), np.float64)
-        for i, p in enumerate(prompts):
-            ids, lps = a.row(i)
-            lg = logits[i, len(p) - 1:len(p) - 1 + len(ids)] / (temperature or 1.0)
-            lp = lg - np.logaddexp.reduce(lg, axis=-1, keepdims=True)
-            np.testing.assert_allclose(lps, lp[np.arange(len(ids)), ids], atol=1e-4, rtol=0, err_msg=f"row {i}")
-    assert folded._fns["merge"]._cache_size() == 1  # one program; refolded only when its inputs change
-    held = folded._merged[3]
-    folded.generate(params, prompts, jax.random.PRNGKey(2), sp, trainable=tr, slot=1)
-    assert folded._merged[3] is held
-    folded.generate(params, prompts, jax.random.PRNGKey(2), sp, trainable=tr, slot=0)
-    assert folded._merged[3] is not held and folded._merged[2] == 0
-
-
 def test_shared_prefix_prefilled_once_changes_nothing(tiny, sampler):
     """Prompts sharing a 37-token prefix, with own parts of 1 to 12 tokens: the prefix is prefilled once
     (C = 32 slots shared), and samples and log-probs equal both a sampler that prefills every prompt whole

@@ -359,7 +359,7 @@ class Sampler:
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
                  rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True,
                  paged: bool = False, kv_block: int = 16, compaction_buckets: int = 16,
-                 compaction_patience: int = 64, merge_lora: bool = True):
+                 compaction_patience: int = 64):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
@@ -389,30 +389,6 @@ class Sampler:
         self._fns: dict[Any, Any] = {}
         self.prefix_cache = (PrefixCache(cfg, -(-prefix_cache_tokens // prefix_block), prefix_block, dtype)
                              if prefix_cache_tokens > 0 else None)
-        self.merge_lora = merge_lora
-        self._merged: tuple = ()  # (params, trainable, slot, merged params) of the last merge
-
-    def _sampling_params(self, params, trainable, slot: int):
-        """(params, trainable) the programs run on. LoRA adapters over float32 base weights are folded into
-        them once per (params, trainable, slot) (W + scale * A @ B, kept until another arrives): every
-        prefill and decode step then runs the plain model, without two small matmuls per linear layer
-        and the adapters' reads (decode at 8 rows: ~6% faster on 2 CPU cores), at the memory of one more
-        copy of the layer weights. Bfloat16 weights keep the adapters apart (folding would round them away)."""
-        if trainable is None or not self.merge_lora or self.spec.mode != "lora" or any(
-                jnp.dtype(x.dtype) != jnp.float32 for x in jax.tree_util.tree_leaves(params["layers"])):
-            return params, trainable
-        m = self._merged
-        if not (m and m[0] is params and m[1] is trainable and m[2] == slot):
-            from marl_jax.policy.lora import merge_lora
-            fn = self._fns.get("merge")
-            if fn is None:
-                leaves = jax.tree_util.tree_leaves(params)
-                keep = (jax.tree_util.tree_map(lambda x: x.sharding, params)
-                        if self.mesh is not None and all(isinstance(x, jax.Array) for x in leaves) else None)
-                fn = self._fns["merge"] = jax.jit(functools.partial(merge_lora, self.spec), out_shardings=keep)
-            self._merged = ()  # drop the old copy before making the new one
-            self._merged = (params, trainable, slot, fn(params, trainable, jnp.int32(slot)))
-        return self._merged[3], None
 
     def _select(self, params, trainable, slot):
         if trainable is None:
@@ -592,7 +568,6 @@ class Sampler:
             self.stats.update(peak_kv_live_bytes=0, pool_grows=0)
         if self.prefix_cache is not None:
             self.prefix_cache.bind(params, trainable)
-        params, trainable = self._sampling_params(params, trainable, slot)
         self._prompts = prompts
         # Longest prompts first, so each chunk's prompt bucket is tight.
         order = np.argsort([-len(p) for p in prompts], kind="stable")

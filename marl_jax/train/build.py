@@ -108,8 +108,7 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
                       spec=spec, mesh=mesh, rules=rules, paged=bool(config.rollout.paged_kv),
                       kv_block=int(config.rollout.kv_block),
                       compaction_buckets=int(config.rollout.compaction_buckets),
-                      compaction_patience=int(config.rollout.compaction_patience),
-                      merge_lora=bool(config.rollout.merge_lora))
+                      compaction_patience=int(config.rollout.compaction_patience))
     all_tasks = tasks if tasks is not None else load_tasks(config.task)
     train, val = split(list(all_tasks), config.task.val_size)
     return Runtime(config, model, base, mesh, rules, workflow, roles, mapping, spec, sampler, train, val,
