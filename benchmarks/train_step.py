@@ -17,7 +17,7 @@ produces them: prompts of 70-500 tokens, completions log-uniform from 4 tokens t
 (a policy some steps into training) so that the adapters change the output and the loss check covers them.
 
 marl_jax: make_train_step with UpdateConfig(diagnostics=False, metrics=False, remat=--remat,
-length_buckets=--length_buckets, dtype=--dtype, unroll=--unroll) is the headline;
+length_buckets=--length_buckets, length_grid=--length_grid, dtype=--dtype, unroll=--unroll) is the headline;
 the step with diagnostics and metrics on (exact per-role gradients from group-aligned micro-batches) is
 reported after it. Each is timed
 after a warm-up call, whose time (compilation included) is reported separately.
@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skew", action="store_true", help="uneven rows: prompts 70-500, completions 4..completion_len")
     p.add_argument("--length_buckets", type=int, default=4, help="marl_jax token windows per batch (1: all T)")
+    p.add_argument("--length_grid", type=int, default=2,
+                   help="marl_jax token window sizes per octave (grpo.length_grid; 16: steps of 8 near 128-256)")
     p.add_argument("--packing", action="store_true",
                    help="marl_jax packs each micro-batch's rows into fewer sequences (grpo.packing)")
     p.add_argument("--episodes", type=int, default=1,
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     role_to_slot = {r: 0 for r in roles}
     groups = make_groups(roles, role_to_slot, None)
     ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False, remat=args.remat,
-                            length_buckets=args.length_buckets, packing=args.packing,
+                            length_buckets=args.length_buckets, length_grid=args.length_grid, packing=args.packing,
                             share_prefix=args.share_prefix, unroll=args.unroll,
                             dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     batch = make_batch(rows, advs.astype(np.float32), role_to_slot=role_to_slot, num_slots=1, groups=groups,
@@ -339,15 +341,15 @@ def main(argv: list[str] | None = None) -> None:
           f"({old_s:.1f}s)")
     # Positions each side computes: marl_jax runs each (slot, micro-batch) item over its token window
     # (rl.update.item_windows), PyTorch pads each micro-batch of rows in order to its longest row.
-    win = item_windows(batch.length, args.micro_batch, T, args.length_buckets)
+    win = item_windows(batch.length, args.micro_batch, T, args.length_buckets, args.length_grid)
     mbr = min(args.micro_batch, R)
     jax_pos = int(win.sum()) * mbr
     jax_pairs = int((win.astype(np.int64) ** 2).sum()) * mbr
     jax_head = int((win > 0).sum()) * mbr * W
     packing_note = ""
     if args.packing:  # each item over (packed sequences x window) instead of (rows x window)
-        pb = pack_batch(batch, args.micro_batch, args.length_buckets, args.share_prefix)
-        shp = pack_shapes(T, mbr, args.length_buckets, share=args.share_prefix > 0)
+        pb = pack_batch(batch, args.micro_batch, args.length_buckets, args.share_prefix, args.length_grid)
+        shp = pack_shapes(T, mbr, args.length_buckets, share=args.share_prefix > 0, grid=args.length_grid)
         items = [shp[k] for k, live in zip(np.asarray(pb.pack_shape)[:, ::mbr].ravel(), (win > 0).ravel()) if live]
         jax_pos = sum(p * t for p, t in items)
         jax_pairs = sum(p * t * t for p, t in items)
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                      for s in range(0, len(rows), args.micro_batch))
     print(f"positions computed per step (useful = {total} real tokens): marl_jax {jax_pos} "
           f"({jax_pos / total:.2f}x; token windows per micro-batch {sorted(int(x) for x in win.ravel() if x)}, "
-          f"ladder {length_ladder(T, args.length_buckets)}{packing_note}), pytorch {torch_pos} ({torch_pos / total:.2f}x); "
+          f"ladder {length_ladder(T, args.length_buckets, args.length_grid)}{packing_note}), pytorch {torch_pos} ({torch_pos / total:.2f}x); "
           f"over the whole T marl_jax would compute {S * R * T} ({S * R * T / total:.2f}x)")
 
     peak = matmul_peak()

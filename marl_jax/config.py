@@ -72,6 +72,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # The layers as straight-line code instead of a loop: no per-layer copies of activations through the
         # loop's stacked buffers in the backward pass, about twice the compile time (marl_jax.models.decoder)
         unroll=False,
+        # Token window sizes per octave for the update's micro-batches (marl_jax.rl.update.length_ladder): a
+        # finer grid computes less padding and compiles more item programs over a run
+        length_grid=2,
     ))
     c.optim = ml_collections.ConfigDict(dict(
         lr=2e-5, weight_decay=0.01, grad_clip=1.0, schedule="constant", warmup_steps=0, min_lr_ratio=0.0))
@@ -166,7 +169,7 @@ _CHOICES = {
 }
 _POSITIVE = ("num_tasks", "rollout.group_size", "rollout.max_batch", "rollout.kv_block", "rollout.compaction_buckets",
              "rollout.compaction_patience", "grpo.micro_batch", "train.val_every", "train.ckpt_every", "trainable.rank", "task.size",
-             "train.val_samples", "levers.damping_window")
+             "train.val_samples", "levers.damping_window", "grpo.length_grid")
 
 
 def _get(c, dotted):

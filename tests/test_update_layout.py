@@ -34,7 +34,7 @@ def _uneven_rows(rng, spec):
 
 
 def _run(rows, advs, roles, role_to_slot, copies, *, sort, buckets, micro_batch=4, head_chunk=0, dtype=jnp.float32,
-         metrics=True, seed=0, packing=False, share_prefix=0, program="auto", remat="full", unroll=False):
+         metrics=True, seed=0, packing=False, share_prefix=0, program="auto", remat="full", unroll=False, grid=2):
     base, spec, tr = _setup(max(role_to_slot.values()) + 1, seed)
     groups = make_groups(roles, role_to_slot, copies)
     batch = make_batch(rows, np.asarray(advs, np.float32), role_to_slot=role_to_slot, num_slots=spec.num_slots,
@@ -42,7 +42,7 @@ def _run(rows, advs, roles, role_to_slot, copies, *, sort, buckets, micro_batch=
     tx = optim.per_slot(optax.sgd(LR))
     ucfg = UpdateConfig(micro_batch=micro_batch, length_buckets=buckets, head_chunk=head_chunk, dtype=dtype,
                         metrics=metrics, packing=packing, share_prefix=share_prefix, program=program, remat=remat,
-                        unroll=unroll)
+                        unroll=unroll, length_grid=grid)
     step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
                            group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                            role_slot=[role_to_slot[r] for r in roles])
@@ -71,6 +71,9 @@ def test_length_ladder_and_item_windows():
     assert length_ladder(192, 1) == (192,)
     assert length_ladder(128, 4) == (32, 48, 64, 96, 128)  # the same grid for every T
     assert length_ladder(100, 3) == (48, 64, 96, 100)  # the last is T
+    assert length_ladder(256, 4, 4) == (64, 80, 96, 112, 128, 160, 192, 224, 256)  # 4 sizes per octave
+    assert length_ladder(256, 4, 1) == (64, 128, 256)
+    assert set(length_ladder(256, 4)) <= set(length_ladder(256, 4, 16))  # finer grids refine the default
     length = np.array([[60, 10, 0, 0, 130, 129, 3, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(item_windows(length, 4, 192, 3), [[64, 192, 0]])
     np.testing.assert_array_equal(item_windows(length, 4, 192, 1), [[192, 192, 0]])
@@ -132,6 +135,19 @@ def test_unrolled_layers_give_the_loops_step(remat):
     roles, r2s = ["gen", "judge"], {"gen": 0, "judge": 0}
     _assert_same_step(_run(rows, advs, roles, r2s, {"gen": 3}, sort=True, buckets=4, remat=remat),
                       _run(rows, advs, roles, r2s, {"gen": 3}, sort=True, buckets=4, remat=remat, unroll=True))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_finer_window_grid_computes_fewer_positions_and_the_same_step(packing):
+    """grpo.length_grid=16 fits each micro-batch's window closer to its longest row: fewer positions, same step."""
+    rng = np.random.RandomState(6)
+    rows = _uneven_rows(rng, [("gen", 8, 1), ("judge", 4, 1)])
+    advs = list(rng.randn(len(rows)))
+    roles, r2s = ["gen", "judge"], {"gen": 0, "judge": 0}
+    coarse = _run(rows, advs, roles, r2s, None, sort=True, buckets=4, packing=packing)
+    fine = _run(rows, advs, roles, r2s, None, sort=True, buckets=4, packing=packing, grid=16)
+    assert (item_positions(fine[2], 4, 4, packing, grid=16).sum() < item_positions(coarse[2], 4, 4, packing).sum())
+    _assert_same_step(coarse, fine)
 
 
 def test_pack_rows_first_fit_decreasing_and_pack_shapes():

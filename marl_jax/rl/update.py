@@ -60,7 +60,8 @@ class UpdateConfig:
     remat: str = "full"  # what the backward pass recomputes: none | dots | full (see decoder.forward) | auto
     remat_budget_gb: float = 4.0  # remat="auto": activation bytes one item may hold (per token window)
     dtype: Any = jnp.float32  # compute dtype of the base model; adapters, gradients and optimizer stay float32
-    length_buckets: int = 4  # token windows per batch (T/n, 2T/n, ..., T); 1 runs every item over all T
+    length_buckets: int = 4  # token windows from T/n to T (see length_ladder); 1 runs every item over all T
+    length_grid: int = 2  # window sizes per octave (length_ladder): finer, less padding, more item programs
     head_chunk: int = 0  # LM-head positions per chunk (0: chunk only when one item's logits exceed 256 MiB)
     unroll: bool = False  # the layers as straight-line code, not a loop (decoder.Decoder.unroll): faster, 2x compile
     # Sequence packing: the rows of a micro-batch are laid end to end in fewer sequences (segment ids,
@@ -88,6 +89,8 @@ class UpdateConfig:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
         if self.remat == "auto" and not self.remat_budget_gb > 0:
             raise ValueError(f"remat='auto' needs remat_budget_gb > 0, got {self.remat_budget_gb}")
+        if self.length_grid < 1:
+            raise ValueError(f"length_grid must be >= 1 (window sizes per octave), got {self.length_grid}")
         if self.length_buckets < 1:
             raise ValueError(f"length_buckets must be >= 1, got {self.length_buckets}")
         if self.share_prefix < 0:
@@ -119,21 +122,22 @@ def remat_for(cfg: ModelConfig, rows: int, t: int, W: int, budget_bytes: float, 
     return "full"
 
 
-def length_ladder(T: int, n: int) -> tuple[int, ...]:
-    """The token windows an update over rows padded to T compiles: the lengths 8, 12, 16, 24, 32, 48, ...
-    (powers of two and 1.5x them, the grid batches are padded to) from T/n up to T, and T. Each micro-batch
-    runs over the shortest that holds its longest row. One grid for every T: batches padded to other
-    lengths share their items' programs."""
+def length_ladder(T: int, n: int, grid: int = 2) -> tuple[int, ...]:
+    """The token windows an update over rows padded to T compiles: from T/n up to T, the lengths
+    2^k (1 + i / grid) from 8 up, `grid` sizes per octave (2: 8, 12, 16, 24, 32, 48, ..., the grid batches
+    are padded to), and T. Each micro-batch runs over the shortest that holds its longest
+    row. One grid for every T: batches padded to other lengths share their items' programs. A finer grid
+    computes fewer padding positions and compiles more item programs over a run (one per window used)."""
     if n <= 1:
         return (T,)
     out, b = {T}, 8
     while b < T:
-        out |= {g for g in (b, b * 3 // 2) if T / n <= g < T}
+        out |= {g for g in (b * (grid + i) // grid for i in range(grid)) if T / n <= g < T}
         b *= 2
     return tuple(sorted(out))
 
 
-def item_windows(length, micro_batch: int, T: int, n: int):
+def item_windows(length, micro_batch: int, T: int, n: int, grid: int = 2):
     """Host-side: the token window each (slot, micro-batch) item of a batch runs over, as the update
     chooses it ([S, M]; 0 for items of padding only, which are skipped). length: the batch's [S, R]
     row lengths; T: its padded length; n: UpdateConfig.length_buckets."""
@@ -142,17 +146,18 @@ def item_windows(length, micro_batch: int, T: int, n: int):
     S, R = length.shape
     mb = min(micro_batch, R)
     longest = length.reshape(S, R // mb, mb).max(-1)
-    ladder = np.asarray(length_ladder(T, n))
+    ladder = np.asarray(length_ladder(T, n, grid))
     which = np.minimum(np.searchsorted(ladder, longest, side="left"), len(ladder) - 1)
     return np.where(longest > 0, ladder[which], 0)
 
 
-def pack_shapes(T: int, micro_batch: int, n: int, share: bool = False) -> tuple[tuple[int, int], ...]:
+def pack_shapes(T: int, micro_batch: int, n: int, share: bool = False,
+                grid: int = 2) -> tuple[tuple[int, int], ...]:
     """The (packed sequences, token window) shapes a packed update compiles: windows from length_ladder,
     sequences micro_batch, /2 and /4 (rounded up). When rows share prefixes also /8 and a window of 2T,
     so that the rows of a unit (their prefix laid once) mostly fit one sequence."""
     seqs = sorted({max(1, -(-micro_batch // d)) for d in ((1, 2, 4, 8) if share else (1, 2, 4))})
-    return tuple((p, t) for t in length_ladder(T, n) + ((2 * T,) if share else ()) for p in seqs)
+    return tuple((p, t) for t in length_ladder(T, n, grid) + ((2 * T,) if share else ()) for p in seqs)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray, n: int) -> int:
@@ -226,7 +231,7 @@ def pack_rows(lengths, capacity: int) -> tuple[list[int], list[int], int]:
     return seq, off, used
 
 
-def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 0) -> TrainBatch:
+def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 0, grid: int = 2) -> TrainBatch:
     """Host-side: the packing of every micro-batch (TrainBatch.pack_*). For each item the packed shape
     with the fewest positions (sequences x window) that holds its rows; ties take the shorter window.
     share_prefix > 0: rows sharing a prefix of at least that many tokens are laid over one copy of it
@@ -237,7 +242,7 @@ def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 
     S, R = length.shape
     T = batch.tokens.shape[2]
     mb = min(micro_batch, R)
-    shapes = pack_shapes(T, mb, n, share=share_prefix > 0)
+    shapes = pack_shapes(T, mb, n, share=share_prefix > 0, grid=grid)
     tokens = np.asarray(batch.tokens) if share_prefix else None
     seq, off = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
     pre, shared = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
@@ -264,14 +269,14 @@ def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 
                           pack_pre=pre if share_prefix else None, pack_share=shared if share_prefix else None)
 
 
-def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool, share_prefix: int = 0):
+def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool, share_prefix: int = 0, grid: int = 2):
     """Host-side: the token positions each (slot, micro-batch) item computes ([S, M]; 0 when skipped)."""
     S, R, T = batch.tokens.shape
     mb = min(micro_batch, R)
     if not packing:
-        return item_windows(batch.length, micro_batch, T, n) * mb
-    b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, n, share_prefix)
-    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, n, share=b.pack_share is not None)])
+        return item_windows(batch.length, micro_batch, T, n, grid) * mb
+    b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, n, share_prefix, grid)
+    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, n, share=b.pack_share is not None, grid=grid)])
     live = np.asarray(b.length).reshape(S, R // mb, mb).max(-1) > 0
     return np.where(live, shapes[np.asarray(b.pack_shape)[:, ::mb]], 0)
 
@@ -533,7 +538,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 lambda x: sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2), mesh, rules), mrows)
         mweight, mgroup = split(batch.row_weight), split(batch.group)
         mslot = jnp.repeat(jnp.arange(S, dtype=jnp.int32), M)
-        ladder = length_ladder(T, ucfg.length_buckets) if batch.length is not None else (T,)
+        ladder = length_ladder(T, ucfg.length_buckets, ucfg.length_grid) if batch.length is not None else (T,)
 
         def compute(carry, xs):
             acc, num_total, mixed = carry
@@ -541,7 +546,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
             cot = w / den[slot]
             if ucfg.packing:  # the item's packed shape, chosen on the host (pack_batch)
-                shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0)
+                shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0,
+                                     grid=ucfg.length_grid)
                 ks = tuple(used) if used is not None else tuple(range(len(shapes)))
                 which = jnp.searchsorted(jnp.asarray(ks, jnp.int32), jnp.max(r["pack_shape"]))
                 nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ks) - 1),
@@ -604,9 +610,10 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         W = rows["targets"].shape[2]
         den = np.maximum(np.asarray(batch.den, np.float32), np.float32(1.0))
         weight, group = np.asarray(batch.row_weight, np.float32), np.asarray(batch.group, np.int32)
-        windows = (item_windows(rows["length"], mb, T, ucfg.length_buckets) if "length" in rows
+        windows = (item_windows(rows["length"], mb, T, ucfg.length_buckets, ucfg.length_grid) if "length" in rows
                    else np.full((S, R // mb), T))
-        shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0) if ucfg.packing else ()
+        shapes = (pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0, grid=ucfg.length_grid)
+                  if ucfg.packing else ())
         carry, role_st = None, None
         for s in range(S):
             for m in range(R // mb):
@@ -639,7 +646,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
     if mesh is None and ucfg.program in ("auto", "items"):
         def items_step(state, base, batch):
             if ucfg.packing and batch.pack_shape is None:
-                batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix)
+                batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix, ucfg.length_grid)
             return itemwise(state, base, batch)
         items_step.item_programs = lambda: item_fn._cache_size()  # compiled item programs so far
         return items_step
@@ -650,7 +657,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
 
     def packed_step(state, base, batch):
         if batch.pack_shape is None:
-            batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix)
+            batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix, ucfg.length_grid)
         # Compile only the packed shapes this batch's items take (every shape would be many branches).
         length, shape = np.asarray(batch.length), np.asarray(batch.pack_shape)
         used = tuple(sorted({int(k) for k in np.unique(shape[length > 0])})) or (0,)

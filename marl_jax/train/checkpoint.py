@@ -127,7 +127,7 @@ def _check_json(meta: Mapping[str, Any]) -> dict:
 # the keys that lay out the same computation another way (speed and memory only; tests check that each gives
 # the same completions or the same step).
 LAYOUT_KEYS = ("grpo.packing", "grpo.share_prefix", "grpo.remat", "grpo.remat_budget_gb", "grpo.unroll",
-               "rollout.max_batch", "rollout.paged_kv", "rollout.kv_block", "rollout.compaction_buckets",
+               "grpo.length_grid", "rollout.max_batch", "rollout.paged_kv", "rollout.kv_block", "rollout.compaction_buckets",
                "rollout.compaction_patience")
 RESUMABLE_KEYS = ("train.steps", "train.val_every", "train.ckpt_every", "train.keep_ckpts", "train.tensorboard",
                   "train.plots", "grpo.diagnostics_every") + LAYOUT_KEYS

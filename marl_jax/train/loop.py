@@ -142,7 +142,8 @@ class Trainer:
                                  max_len_norm=float(max(rt.max_new_tokens().values())),  # Dr. GRPO's constant
                                  diagnostics=g.diagnostics, metrics=g.metrics, remat=g.remat,
                                  remat_budget_gb=g.remat_budget_gb, packing=g.packing,
-                                 share_prefix=int(g.share_prefix), unroll=bool(g.unroll), dtype=rt.dtype)
+                                 share_prefix=int(g.share_prefix), unroll=bool(g.unroll),
+                                 length_grid=int(g.length_grid), dtype=rt.dtype)
         o = config.optim
         self.tx = optim.per_slot(optim.make_optimizer(
             lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
