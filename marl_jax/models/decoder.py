@@ -474,8 +474,8 @@ class Decoder(_Sharded):
 
     unroll: the teacher-forced pass runs its layers as straight-line code instead of a loop. A loop's
     backward pass keeps each layer's activations in stacked [layers, ...] buffers, copied in and out per
-    layer (on CPU a sixth of a LoRA update step's op time); unrolled, they stay where they were made, at
-    about twice the compile time. Values are the same.
+    layer; unrolled, they stay where they were made (2.5% of a LoRA update step on 2 CPU cores), at about
+    twice the compile time. Values are the same.
     """
 
     cfg: ModelConfig = None

@@ -63,7 +63,7 @@ class UpdateConfig:
     length_buckets: int = 4  # token windows from T/n to T (see length_ladder); 1 runs every item over all T
     length_grid: int = 2  # window sizes per octave (length_ladder): finer, less padding, more item programs
     head_chunk: int = 0  # LM-head positions per chunk (0: chunk only when one item's logits exceed 256 MiB)
-    unroll: bool = False  # the layers as straight-line code, not a loop (decoder.Decoder.unroll): faster, 2x compile
+    unroll: bool = False  # the layers as straight-line code, not a loop (decoder.Decoder.unroll): 2x compile
     # Sequence packing: the rows of a micro-batch are laid end to end in fewer sequences (segment ids,
     # per-row positions, attention within a row only), each item over the packed shape (sequences x
     # window, from pack_shapes) with the fewest positions. Values are unchanged (tests/test_update_layout.py).
