@@ -20,8 +20,6 @@ SMOLLM = "smollm2-135m-instruct"
 # One XLA compilation cache for the whole session, fresh each time, shared with the subprocesses tests
 # start: tests build many samplers and trainers over the same tiny models, whose programs are the same
 # HLO under new jit objects (a hit skips XLA's compile; a third of the suite's time is compiling).
-_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 _session_cache: list[str] = []
 
 
@@ -30,8 +28,8 @@ def pytest_configure(config):
         return  # the caller chose a cache (or "off"): leave it
     path = tempfile.mkdtemp(prefix="marl_jax-test-xla-")
     _session_cache.append(path)
-    env = {**_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR": path}
-    os.environ.update(env)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=path, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     os.environ["MARL_JAX_CACHE"] = path  # launch/run.py and the notebooks: this cache, not ~/.cache
     if "jax" in sys.modules:  # a plugin imported JAX before this hook: its config read the environment already
         import jax
