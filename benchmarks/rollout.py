@@ -21,6 +21,14 @@ loaded from the sampler's prefix cache instead).
 so that each call's prompt extends the role's previous prompt + completion; --conversation=both runs eval_opt
 both ways and prints `speedup=` of episodes/s of chat over quoted (the config's default).
 
+--headroom prints, per workflow, two measured bounds on what a decode-step scheme could still save on the
+timed rollout's own rows: prompt-lookup speculative decoding (draft the next --draft tokens by matching the
+last 1-3 tokens earlier in the row's prompt and completion, verify them in one step; a sampled token is accepted
+exactly when it equals the draft, so the rows' tokens per step are read off the rows) against the measured cost
+of a (draft+1)-token decode step over a 1-token one, and running each episode's calls as soon as its previous
+call finishes instead of stage by stage (decode steps on the longest episode's chain vs the sum of every
+stage's longest row).
+
 --prefix_cache=both runs every workflow twice, without the sampler's prefix cache (every prompt prefilled,
 as before it existed) and with it, and prints `speedup=` of episodes/s between the two.
 """
@@ -48,6 +56,9 @@ def parse_args(argv=None):
                    help="the sampler's prefix cache across calls; both: each workflow without, then with it")
     p.add_argument("--conversation", default="quoted", choices=("quoted", "chat", "both"),
                    help="eval_opt's prompt layout (workflow_options.conversation); both: quoted, then chat")
+    p.add_argument("--headroom", action="store_true",
+                   help="print what speculative decoding from the prompt and per-episode scheduling could save")
+    p.add_argument("--draft", type=int, default=4, help="--headroom: tokens drafted per step")
     args = p.parse_args(argv)
     args.workflows = [w.strip() for w in args.workflows.split(",") if w.strip()]
     bad = [w for w in args.workflows if w not in WORKFLOWS]
@@ -116,11 +127,88 @@ def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True, conv
         stages={x["stage"]: (x["rows"], x.get("prefill_rows", x["rows"]), x["tokens"], x["seconds"]) for x in c},
         same_rows=[r.completion_tokens for r in results[0].rows] == [r.completion_tokens for r in res.rows],
     )
+    if args.headroom:
+        out["headroom"] = headroom(results[1].rows, rt, args.draft)
     out["episodes_per_s"] = n_ep / out["total_s"]
     out["tokens_per_s"] = tokens / max(out["sampler_s"], 1e-9)
     del rt, trainable, results
     gc.collect()
     return out
+
+
+def lookup_draft(context: list, k: int, longest: int = 3) -> list:
+    """The k tokens that followed the most recent earlier occurrence of the context's last n tokens
+    (n = longest..1, the first n that occurs): prompt-lookup drafting."""
+    for n in range(longest, 0, -1):
+        if len(context) <= n:
+            continue
+        tail = context[-n:]
+        for j in range(len(context) - n - 1, -1, -1):
+            if context[j:j + n] == tail:
+                return context[j + n:j + n + k]
+    return []
+
+
+def lookup_steps(prompt: list, completion: list, k: int) -> int:
+    """Decode steps the completion takes when every step verifies a k-token lookup draft: each step emits
+    the draft's tokens up to the first one the row did not sample, plus the row's own next token."""
+    i = steps = 0
+    while i < len(completion):
+        d = lookup_draft(prompt + completion[:i], k)
+        a = 0
+        while a < len(d) and i + a < len(completion) and d[a] == completion[i + a]:
+            a += 1
+        i += a + 1
+        steps += 1
+    return steps
+
+
+def step_cost(rt, rows: int, width: int, context: int, reps: int = 7) -> float:
+    """Median seconds of one decode step of `rows` rows x `width` new tokens against `context` cached
+    tokens (the cache donated, as in the sampler's loop)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from marl_jax.models import decoder
+
+    cfg, params = rt.model.cfg, rt.base
+    window = -(-(context + width) // 64) * 64
+    cache = decoder.init_cache(cfg, rows, window)
+    cache = cache._replace(valid=cache.valid.at[:, :context].set(True))
+    fn = jax.jit(lambda p, c: decoder.forward_cached(
+        p, cfg, jnp.ones((rows, width), jnp.int32), jnp.broadcast_to(context + jnp.arange(width), (rows, width)), c,
+        jnp.full((rows,), context), jnp.ones((rows, width), bool), window=window), donate_argnums=(1,))
+    out, cache = fn(params, cache)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out, cache = fn(params, cache)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def headroom(rows, rt, k: int) -> dict:
+    """Bounds on decode steps saved by prompt-lookup drafts and by per-episode scheduling (see --headroom)."""
+    import collections
+
+    tokens = sum(len(r.completion_tokens) for r in rows)
+    steps = sum(lookup_steps(list(r.prompt_tokens), list(r.completion_tokens), k) for r in rows)
+    stage_max, chain = collections.defaultdict(int), collections.defaultdict(lambda: collections.defaultdict(int))
+    for r in rows:
+        n = len(r.completion_tokens)
+        stage_max[r.stage] = max(stage_max[r.stage], n)
+        chain[r.episode_id][r.stage] = max(chain[r.episode_id][r.stage], n)
+    staged, pipelined = sum(stage_max.values()), max(sum(c.values()) for c in chain.values())
+    width = max(collections.Counter(r.stage for r in rows).values())  # rows decoded together in a stage
+    context = int(sum(len(r.prompt_tokens) + len(r.completion_tokens) // 2 for r in rows) / max(len(rows), 1))
+    one, verify = step_cost(rt, width, 1, context), step_cost(rt, width, k + 1, context)
+    per_step = tokens / max(steps, 1)
+    return dict(tokens_per_step=per_step, step_1_s=one, step_k_s=verify, k=k, width=width, context=context,
+                lookup_speedup=per_step * one / verify, staged_steps=staged, pipelined_steps=pipelined,
+                pipelined_speedup=staged / max(pipelined, 1))
 
 
 def main(argv=None):
@@ -169,6 +257,15 @@ def main(argv=None):
               f"glue_s={r['glue_s']:.4f} reward_s={r['reward_s']:.4f} compile_s={r['compile_s']:.1f} "
               f"tokens={r['tokens']} prefill_tokens_per_ep={r['prefill_tokens_per_ep']:.1f} "
               f"cached_tokens_per_ep={r['cached_tokens_per_ep']:.1f}")
+    for r in rows:
+        h = r.get("headroom")
+        if h:
+            print(f"{r['workflow']} headroom: prompt-lookup drafts of {h['k']}: {h['tokens_per_step']:.2f} tokens per "
+                  f"step; a {h['k'] + 1}-token step of {h['width']} rows over ~{h['context']} cached tokens "
+                  f"{1e3 * h['step_k_s']:.0f} ms vs {1e3 * h['step_1_s']:.0f} ms for 1 token: decode "
+                  f"lookup_speedup<={h['lookup_speedup']:.2f}; decode steps stage by stage {h['staged_steps']}, "
+                  f"each episode's calls back to back {h['pipelined_steps']}: pipelined_speedup<="
+                  f"{h['pipelined_speedup']:.2f}")
     if args.conversation == "both":
         by = {(w, m, c): r for (w, m, c), r in zip(runs, rows)}
         for m in modes:
