@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py [--workflows=single_agent,eval_opt,voting,orch_workers]
                                  [--num_tasks=2 --group_size=4 --max_new_tokens=32 --policy=shared]
+                                 [--prefix_cache=on|off|both --conversation=quoted|chat|both --headroom --draft=4]
 
 Workload: the embedded default config of each workflow (configs/<workflow>.py with no argument:
 SmolLM2-135M-Instruct in float32, one-digit sums, temperature 0.7), the first --num_tasks train tasks,
