@@ -65,6 +65,8 @@ def parse_args(argv=None):
     bad = [w for w in args.workflows if w not in WORKFLOWS]
     if bad:
         p.error(f"unknown workflow(s) {bad}; choose from {list(WORKFLOWS)}")
+    if args.draft < 1:
+        p.error(f"--draft must be >= 1 (tokens drafted per step), got {args.draft}")
     if args.num_tasks < 1 or args.group_size < 2:
         p.error("need --num_tasks >= 1 and --group_size >= 2")
     return args
