@@ -18,7 +18,7 @@ from marl_jax.models.decoder import ModelConfig
 from marl_jax.policy.lora import PolicySpec, init_trainable
 from marl_jax.rl import optim
 from marl_jax.rl.batch import make_batch, make_groups
-from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
+from marl_jax.rl.update import UpdateConfig, init_state, make_train_step, pack_batch, pack_shapes
 
 FWD_MESHES = ((2, 1, 4), (4, 1, 2))  # forward only: a vocabulary of 322 splits over 2 but not 4
 UPDATE_MESHES = ((8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2))
@@ -52,23 +52,23 @@ class Row:
         self.role, self.call_index, self.trained = role, call_index, True
 
 
-def update_case(params, policy: str, mode: str, mesh):
+def update_case(params, policy: str, mode: str, mesh, seeds=(7,), **ucfg):
+    """One update step per seed's batch (the next step from the last state), on one device or the mesh; the
+    last step's new state and metrics, the state before it, the base, the step function and the item
+    shapes the batches used."""
     roles = ["gen", "judge", "agg"]
     mapping = {r: (0 if policy == "shared" else i) for i, r in enumerate(roles)}
     S = max(mapping.values()) + 1
     spec = PolicySpec(mode=mode, rank=4, alpha=8.0, num_slots=S)
-    rng = np.random.RandomState(7)
     tr = init_trainable(spec, CFG, params, jax.random.PRNGKey(1))
     # Slots differ and LoRA's B is non-zero, so every parameter gets a gradient.
     tr = jax.tree_util.tree_map(lambda x: x + 0.02 * jax.random.normal(jax.random.PRNGKey(2), x.shape), tr)
-    rows = [Row(rng, r, i % 2) for r, n in (("gen", 12), ("judge", 6), ("agg", 5)) for i in range(n)]
-    advs = rng.randn(len(rows)).astype(np.float32)
     groups = make_groups(roles, mapping, {"gen": 2})
-    batch = make_batch(rows, advs, role_to_slot=mapping, num_slots=S, groups=groups, micro_batch=8)
     # AdamW's first step is lr * g / (|g| + eps): float32 reduction order (which the mesh changes) moves a
     # near-zero gradient element's step by up to lr, so a small lr keeps the comparison at 1e-5.
     tx = optim.per_slot(optim.make_optimizer(lr=1e-4, weight_decay=0.01, grad_clip=1.0))
-    step = make_train_step(CFG, spec, UpdateConfig(micro_batch=8, remat="full"), tx, num_groups=len(groups.names),
+    uc = UpdateConfig(micro_batch=8, remat="full", **ucfg)
+    step = make_train_step(CFG, spec, uc, tx, num_groups=len(groups.names),
                            group_slot=groups.slot, group_role=[roles.index(r) for r in groups.role],
                            num_roles=len(roles), role_slot=[mapping[r] for r in roles], mesh=mesh)
     state = init_state(tr, tx)
@@ -76,8 +76,20 @@ def update_case(params, policy: str, mode: str, mesh):
     if mesh is not None:
         state = jax.device_put(state, sharding.tree_shardings(state, mesh))
         base = sharding.shard_params(params, mesh)
-    new, metrics = step(state, base, jax.tree_util.tree_map(jnp.asarray, batch))
-    return new, metrics, state, base
+    kinds = set()
+    for seed in seeds:
+        rng = np.random.RandomState(seed)
+        rows = [Row(rng, r, i % 2) for r, n in (("gen", 12), ("judge", 6), ("agg", 5)) for i in range(n)]
+        advs = rng.randn(len(rows)).astype(np.float32)
+        batch = make_batch(rows, advs, role_to_slot=mapping, num_slots=S, groups=groups, micro_batch=8)
+        if uc.packing:  # every live item's program key: packed shape and completion window
+            packed = pack_batch(batch, 8, uc.length_buckets, grid=uc.length_grid)
+            shapes = pack_shapes(batch.tokens.shape[2], 8, uc.length_buckets, grid=uc.length_grid)
+            live = np.asarray(packed.length)[:, ::8] > 0
+            kinds |= {(shapes[k], batch.targets.shape[2]) for k in np.asarray(packed.pack_shape)[:, ::8][live]}
+        prev = state
+        state, metrics = step(state, base, jax.tree_util.tree_map(jnp.asarray, batch))
+    return state, metrics, prev, base, step, kinds
 
 
 def main():
@@ -135,12 +147,12 @@ def main():
         res["lora_slot_same"] = gl.tokens.tolist() == gl_ref.tokens.tolist()
 
     for (policy, mode), meshes in UPDATE_CASES.items():
-        new1, m1, _, _ = update_case(params, policy, mode, None)
+        new1, m1, *_ = update_case(params, policy, mode, None)
         for data, fsdp, model in meshes:
             print(f"[{time.time() - t0:6.0f}s] update {policy}/{mode} on {data}x{fsdp}x{model}", file=sys.stderr,
                   flush=True)
             mesh = sharding.make_mesh(data, model, fsdp=fsdp)
-            new, m, state, base = update_case(params, policy, mode, mesh)
+            new, m, state, base, *_ = update_case(params, policy, mode, mesh)
             case = {
                 "loss": [float(m1["loss"]), float(m["loss"])],
                 "metrics_max_diff": max_diff(m1, m),
@@ -158,6 +170,20 @@ def main():
                                  "trainable_total": sum(x.nbytes for x in jax.tree_util.tree_leaves(new.trainable)),
                                  "opt_total": sum(x.nbytes for x in jax.tree_util.tree_leaves(new.opt_state))}
             out["update"][f"{policy}/{mode}/{data}x{fsdp}x{model}"] = case
+
+    # The item programs (the default; the cases above compare them with one device) against the fused program
+    # on a mesh, packed, over two batches of other rows: the same step, no program compiled twice for one shape.
+    mesh = sharding.make_mesh(2, 2, fsdp=2)
+    print(f"[{time.time() - t0:6.0f}s] item programs against the fused program on 2x2x2", file=sys.stderr, flush=True)
+    items, mi, before, _, step, kinds = update_case(params, "shared", "lora", mesh, seeds=(7, 8), packing=True)
+    fused, mf, *_ = update_case(params, "shared", "lora", mesh, seeds=(7, 8), packing=True, program="fused")
+    out["programs"] = {
+        "items_vs_fused": max(max_diff(mf, mi), max_diff(fused.trainable, items.trainable)),
+        "item_programs": step.item_programs(), "item_shapes": len(kinds),
+        "out_specs_kept": all(x.sharding == y.sharding for x, y in zip(
+            jax.tree_util.tree_leaves(items), jax.tree_util.tree_leaves(before))),
+        "grad_norms": np.asarray(mi["role_grad_norm"]).tolist(),
+    }
 
     # Full training: per-device bytes as fsdp grows (data x fsdp = 8, model 1).
     for fsdp in (1, 2, 4, 8):

@@ -419,8 +419,8 @@ def test_share_prefix_config_needs_packing():
 @pytest.mark.parametrize("layout,r2s", [(dict(buckets=4), {"gen": 0, "judge": 0}),
                                         (dict(buckets=3, packing=True, share_prefix=3), {"gen": 0, "judge": 1})])
 def test_item_programs_give_the_fused_programs_step(layout, r2s):
-    """One program per item (the default on one device) against the whole step as one program (the
-    default under a mesh): the same loss, gradients, diagnostics and role stats."""
+    """One program per item (the default) against the whole step as one program (program="fused"): the same
+    loss, gradients, diagnostics and role stats. tests/test_sharding.py compares the two on a mesh."""
     rng = np.random.RandomState(5)
     rows = _uneven_rows(rng, [("gen", 9, 3), ("judge", 6, 1)])
     for r in rows[1:4]:  # a task's episodes share their prompt

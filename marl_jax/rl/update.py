@@ -16,11 +16,14 @@ One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) a
   3. clips and applies AdamW per slot (optim.per_slot), unless the loss or any gradient is not
      finite: then the update is skipped and counted, and parameters stay as they were.
 
-Step 1 runs as one program per item shape (UpdateConfig.program="items", the default on one device):
-an RL batch's rows, padded length and packed shapes change nearly every step, and a program over the
-whole batch compiled again each time (~11 s a step for the embedded default run, cold cache); an item's
-program depends only on its own window or packed shape, so a run stops compiling after its first
-steps. Under a mesh the step is one program (a scan over the items) whose shardings cover all of it.
+Step 1 runs as one program per item shape (UpdateConfig.program="items", the default): an RL batch's
+rows, padded length and packed shapes change nearly every step, and a program over the whole batch
+compiled again each time (~11 s a step for the embedded default run, cold cache); an item's program
+depends only on its own window or packed shape, so a run stops compiling after its first steps. Under a
+mesh every item's rows are placed over the data axes and each program's outputs keep the shardings of
+what they stand for (a slot's gradient like its weights, accumulators like the fused program's, the new
+state like the old), so nothing is gathered; program="fused" runs the step as one program (a scan over
+the items) instead, with the same values.
 
 Each slot's loss is normalised by its own rows, so an Isolated-Policy slot's step does not depend
 on how many rows other roles had: the reference's separate per-role updates.
@@ -72,10 +75,10 @@ class UpdateConfig:
     # task's episodes, a role's instructions) are laid over one copy of that prefix, computed once; their
     # gradients through it add up as they would over separate copies. 0: off.
     share_prefix: int = 0
-    # "items": each (slot, micro-batch) item runs its own program, compiled once per item shape for the
-    # whole run; "fused": the step is one program over the batch's shape (compiled again whenever the
-    # batch's rows, length or packed shapes change: nearly every RL step); "auto": items on one device,
-    # fused under a mesh (its shardings cover the whole step). Both compute the same values.
+    # "items" (and "auto"): each (slot, micro-batch) item runs its own program, compiled once per item shape
+    # for the whole run, on one device or a mesh; "fused": the step is one program over the batch's shape
+    # (compiled again whenever the batch's rows, length or packed shapes change: nearly every RL step).
+    # Both compute the same values.
     program: str = "auto"
 
     def __post_init__(self):
@@ -597,13 +600,44 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                        for k, v in st.items()}
         return acc, num_total.at[slot].add(num), mixed + mix, role_st
 
+    def start(trainable, st, S):
+        """The accumulators before the first item: zero gradients and sums, maxima below any value."""
+        role_st = None if st is None else {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0, v.dtype)
+                                           for k, v in st.items()}
+        return zero_acc(trainable), jnp.zeros((S,), jnp.float32), jnp.int32(0), role_st
+
     fused_jit = jax.jit(fused, donate_argnums=(0,), static_argnums=(3,))
-    item_fn = jax.jit(item, static_argnames=("kind", "T", "W"))
-    accumulate_fn = jax.jit(accumulate, donate_argnums=(0,))
-    zero_fn = jax.jit(zero_acc)
-    finish_fn = jax.jit(finish, donate_argnums=(0,))
+    programs = {}  # the item path's programs; under a mesh built at the first step (shardings follow the shapes)
+
+    def item_programs(state):
+        if not programs:
+            kw = [{} for _ in range(4)]
+            if mesh is not None:
+                rep = sharding.replicated(mesh)
+                one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.trainable)
+                acc = sharding.tree_shardings(jax.eval_shape(zero_acc, state.trainable), mesh, rules)
+                kw = [dict(out_shardings=(rep, sharding.tree_shardings(one, mesh, rules), rep)),
+                      dict(out_shardings=(acc, rep, rep, rep)), dict(out_shardings=(acc, rep, rep, rep)),
+                      dict(out_shardings=(sharding.tree_shardings(state, mesh, rules), rep))]
+            programs.update(item=jax.jit(item, static_argnames=("kind", "T", "W"), **kw[0]),
+                            accumulate=jax.jit(accumulate, donate_argnums=(0,), **kw[1]),
+                            start=jax.jit(start, static_argnums=(2,), **kw[2]),
+                            finish=jax.jit(finish, donate_argnums=(0,), **kw[3]))
+        return programs
+
+    def put(tree, rows_first: bool = True):
+        """Host values onto the mesh (rows over the data axes, scalars replicated); as they are without one."""
+        if mesh is None:
+            return tree
+        return jax.device_put(tree, jax.tree_util.tree_map(
+            lambda x: sharding.batch_sharding(x, mesh, 0, rules) if rows_first and np.ndim(x)
+            else sharding.replicated(mesh), tree))
 
     def itemwise(state: TrainState, base, batch: TrainBatch):
+        if mesh is not None:  # a no-op for arrays already in place (the trainer's), so donation still works
+            state, base = jax.device_put((state, base), (sharding.tree_shardings(state, mesh, rules),
+                                                         sharding.tree_shardings(base, mesh, rules)))
+        fns = item_programs(state)
         rows = rows_of(batch, np)
         S, R, T = rows["tokens"].shape
         mb = min(ucfg.micro_batch, R)
@@ -630,28 +664,27 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                     kind = ("window", t)
                 # Columns past the window are never read: the program's shape does not depend on T.
                 r["tokens"], r["valid"] = r["tokens"][:, :min(t, T)], r["valid"][:, :min(t, T)]
-                num, gr, st = item_fn(state.trainable, base, r, w, group[s, sl], np.int32(s), w / den[s],
-                                      kind=kind, T=min(t, T), W=W)
+                r, w_, grp, cot = put((r, w, group[s, sl], w / den[s]))
+                slot = put(np.int32(s), rows_first=False)
+                num, gr, st = fns["item"](state.trainable, base, r, w_, grp, slot, cot, kind=kind, T=min(t, T), W=W)
                 if carry is None:
-                    if st is not None:  # maxima start below any value, sums at zero
-                        role_st = {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0, v.dtype)
-                                   for k, v in st.items()}
-                    carry = (zero_fn(state.trainable), jnp.zeros((S,), jnp.float32), jnp.int32(0), role_st)
-                carry = accumulate_fn(carry, num, gr, st, np.int32(s), group[s, sl])
+                    carry = fns["start"](state.trainable, st, S)
+                carry = fns["accumulate"](carry, num, gr, st, slot, put(group[s, sl], rows_first=False))
         if carry is None:  # no trained row at all (rare): the fused program handles the empty batch
-            return fused_jit(state, base, batch, (0,) if ucfg.packing else None)
+            return fallback(state, base, batch, (0,) if ucfg.packing else None)
         acc, num_total, mixed, role_st = carry
-        return finish_fn(state, acc, num_total, mixed, role_st, jnp.asarray(den))
+        return fns["finish"](state, acc, num_total, mixed, role_st, put(den, rows_first=False))
 
-    if mesh is None and ucfg.program in ("auto", "items"):
+    fn = fallback = fused_jit if mesh is None else _sharded_jit(fused, mesh, rules)
+    if ucfg.program in ("auto", "items"):
         def items_step(state, base, batch):
             if ucfg.packing and batch.pack_shape is None:
                 batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix, ucfg.length_grid)
             return itemwise(state, base, batch)
-        items_step.item_programs = lambda: item_fn._cache_size()  # compiled item programs so far
+        # compiled item programs so far
+        items_step.item_programs = lambda: programs["item"]._cache_size() if programs else 0
         return items_step
 
-    fn = fused_jit if mesh is None else _sharded_jit(fused, mesh, rules)
     if not ucfg.packing:
         return fn
 
