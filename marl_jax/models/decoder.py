@@ -512,7 +512,10 @@ class Decoder(_Sharded):
         head = None if cfg.tie_word_embeddings else self._top("lm_head", (cfg.hidden_size, cfg.vocab_size))
         new_cache = None
         if tokens is not None:
-            x = self.constrain(jnp.take(embed, tokens, axis=0).astype(self.dtype), ACT_HIDDEN)
+            # The table's model dimension gathered first (as FSDP gathers every weight before use): a lookup
+            # straight from an fsdp-split table leaves XLA no cheap way to rows split over data x fsdp.
+            table = self.constrain(embed, ("act_vocab", "act_embed"))
+            x = self.constrain(jnp.take(table, tokens, axis=0).astype(self.dtype), ACT_HIDDEN)
             if cache is None and segments is not None:
                 positions, mask = (shared_prefix_layout(*segments) if isinstance(segments, tuple)
                                    else segment_layout(segments))
