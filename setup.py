@@ -32,6 +32,7 @@ TEST_REQUIRES = [
     "tiktoken>=0.7",  # reference for the Qwen tokenizer stand-in
     "peft>=0.13",  # reference for exported LoRA adapters (marl_jax.export --adapter)
     "pytest>=8",
+    "pytest-xdist>=3.5",  # the suite runs one file per worker (`-n auto --dist loadfile`)
     "nbformat>=5.10",
     "nbclient>=0.10",
     "ipykernel>=6.29",

@@ -39,6 +39,19 @@ def pytest_configure(config):
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4, and at least 6 GiB of memory each (a worker holds the
+    embedded model, transformers' reference copy and its compiled programs; the 8-device drivers it starts
+    add more)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gib = 8.0
+    return max(1, min(cores, 4, int(mem_gib // 6)))
+
+
 def pytest_unconfigure(config):
     for path in _session_cache:
         shutil.rmtree(path, ignore_errors=True)
