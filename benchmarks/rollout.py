@@ -29,6 +29,12 @@ exactly when it equals the draft, so the rows' tokens per step are read off the 
 of a (draft+1)-token decode step over a 1-token one, and running each episode's calls as soon as its previous
 call finishes instead of stage by stage (decode steps on the longest episode's chain vs the sum of every
 stage's longest row).
+It also prints a floor under the timed rollout's sampler time for the same tokens: its prefilled tokens at
+the measured rate of a large float32 matmul (2 FLOPs per layer weight per token; attention and the LM head left
+out) plus its decode steps at the measured time of a step's weight matmuls alone (as many rows as a stage
+decodes together, every layer's projections and the LM head, each weight its own array: no attention, no
+cache, no copies). `floor_speedup<=` is the rollout's episodes/s at that floor over its measured episodes/s:
+a sampler that computes the same tokens in float32 with these matmuls does not get past it.
 
 --prefix_cache=both runs every workflow twice, without the sampler's prefix cache (every prompt prefilled,
 as before it existed) and with it, and prints `speedup=` of episodes/s between the two.
@@ -132,6 +138,7 @@ def bench_one(workflow: str, args, model, tasks, prefix_cache: bool = True, conv
     )
     if args.headroom:
         out["headroom"] = headroom(results[1].rows, rt, args.draft)
+        out["headroom"].update(floor(rt, c, out["headroom"]["width"], out["total_s"]))
     out["episodes_per_s"] = n_ep / out["total_s"]
     out["tokens_per_s"] = tokens / max(out["sampler_s"], 1e-9)
     del rt, trainable, results
@@ -191,6 +198,71 @@ def step_cost(rt, rows: int, width: int, context: int, reps: int = 7) -> float:
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def matmul_peak(n: int = 2048, reps: int = 7) -> float:
+    """FLOP/s of an n x n x n float32 matmul, median of reps (the machine's practical compute peak)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = jax.device_put(np.random.RandomState(0).randn(n, n).astype(np.float32))
+    fn = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(fn(a))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(a))
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / float(np.median(times))
+
+
+def step_matrices(base) -> list:
+    """The weight matrices one decode step multiplies by, in order: each layer's projections, then the LM
+    head ([hidden, vocab]; the embedding's transpose when tied)."""
+    layers = base["layers"]
+    L = next(iter(layers.values())).shape[0]
+    mats = [w[i] for i in range(L) for _, w in sorted(layers.items()) if w.ndim == 3]
+    return mats + [base["embed"].T if base.get("lm_head") is None else base["lm_head"]]
+
+
+def matmul_step(rt, rows: int, reps: int = 9) -> float:
+    """Median seconds of one decode step's weight matmuls alone, `rows` rows: every layer's projections and
+    the LM head, each weight a separate array (no slicing out of stacked layers), nothing else."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    mats = [jnp.array(m) for m in step_matrices(rt.base)]  # each its own buffer
+    xs = {d: jax.device_put(np.random.RandomState(d).randn(rows, d).astype(np.float32)) for d in {m.shape[0] for m in mats}}
+    fn = jax.jit(lambda xs, ms: [xs[m.shape[0]] @ m for m in ms])
+    jax.block_until_ready(fn(xs, mats))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(xs, mats))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def floor_bound(layer_params: int, prefill_tokens: int, decode_steps: int, peak_flops: float, step_s: float,
+                total_s: float) -> dict:
+    """Seconds the same tokens need at least: prefill at 2 FLOPs per layer weight per token at peak_flops,
+    each decode step at step_s; floor_speedup = total_s over their sum."""
+    prefill, decode = 2 * layer_params * prefill_tokens / peak_flops, decode_steps * step_s
+    return dict(prefill_floor_s=prefill, decode_floor_s=decode, floor_speedup=total_s / (prefill + decode))
+
+
+def floor(rt, calls, width: int, total_s: float) -> dict:
+    """floor_bound for the calls: the matmul peak measured here, each decode step at the cost of a
+    `width`-row step's weight matmuls alone."""
+    import jax
+
+    layer_params = sum(x.size for x in jax.tree.leaves(rt.base["layers"]))
+    steps = sum(x.get("decode_steps", 0) for x in calls)
+    peak, one, step = matmul_peak(), matmul_step(rt, 1), matmul_step(rt, width)
+    out = floor_bound(layer_params, sum(x.get("prefill_tokens", 0) for x in calls), steps, peak, step, total_s)
+    return dict(out, peak_gflops=peak / 1e9, matmul_1_s=one, matmul_w_s=step, decode_steps=steps)
 
 
 def headroom(rows, rt, k: int) -> dict:
@@ -269,6 +341,13 @@ def main(argv=None):
                   f"lookup_speedup<={h['lookup_speedup']:.2f}; decode steps stage by stage {h['staged_steps']}, "
                   f"each episode's calls back to back {h['pipelined_steps']}: pipelined_speedup<="
                   f"{h['pipelined_speedup']:.2f}")
+            print(f"{r['workflow']} floor: {r['prefill_tokens_per_ep'] * r['episodes']:.0f} prefilled tokens at the "
+                  f"matmul peak ({h['peak_gflops']:.0f} GFLOP/s) {h['prefill_floor_s']:.2f} s (measured "
+                  f"{r['prefill_s']:.2f} s) + {h['decode_steps']} decode steps at the matmuls of a {h['width']}-row "
+                  f"step alone ({1e3 * h['matmul_w_s']:.1f} ms; 1 row {1e3 * h['matmul_1_s']:.1f} ms) "
+                  f"{h['decode_floor_s']:.2f} s (measured {r['decode_s']:.2f} s): episodes_per_s<="
+                  f"{r['episodes'] / (h['prefill_floor_s'] + h['decode_floor_s']):.3f} "
+                  f"floor_speedup<={h['floor_speedup']:.2f}")
     if args.conversation == "both":
         by = {(w, m, c): r for (w, m, c), r in zip(runs, rows)}
         for m in modes:
