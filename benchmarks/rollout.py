@@ -200,23 +200,6 @@ def step_cost(rt, rows: int, width: int, context: int, reps: int = 7) -> float:
     return float(np.median(times))
 
 
-def matmul_peak(n: int = 2048, reps: int = 7) -> float:
-    """FLOP/s of an n x n x n float32 matmul, median of reps (the machine's practical compute peak)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    a = jax.device_put(np.random.RandomState(0).randn(n, n).astype(np.float32))
-    fn = jax.jit(lambda x: x @ x)
-    jax.block_until_ready(fn(a))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(a))
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / float(np.median(times))
-
-
 def step_matrices(base) -> list:
     """The weight matrices one decode step multiplies by, in order: each layer's projections, then the LM
     head ([hidden, vocab]; the embedding's transpose when tied)."""
@@ -256,9 +239,9 @@ def floor_bound(layer_params: int, prefill_tokens: int, decode_steps: int, peak_
 def floor(rt, calls, width: int, total_s: float) -> dict:
     """floor_bound for the calls: the matmul peak measured here, each decode step at the cost of a
     `width`-row step's weight matmuls alone."""
-    import jax
+    from common import matmul_peak  # benchmarks/ is on the path when this runs as a script
 
-    layer_params = sum(x.size for x in jax.tree.leaves(rt.base["layers"]))
+    layer_params = sum(m.size for m in step_matrices(rt.base)[:-1])
     steps = sum(x.get("decode_steps", 0) for x in calls)
     peak, one, step = matmul_peak(), matmul_step(rt, 1), matmul_step(rt, width)
     out = floor_bound(layer_params, sum(x.get("prefill_tokens", 0) for x in calls), steps, peak, step, total_s)
