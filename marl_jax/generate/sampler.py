@@ -3,6 +3,10 @@
 Shapes are bucketed (batch to 2^k and 3 * 2^k, prompt and new-token lengths to 16 * {1, 1.5} * 2^k), so a
 run compiles a handful of programs whatever its inputs.
 
+Prefill: the distinct prompts (a task's episodes share one) run at their own bucketed count, in chunks of
+`prefill_chunk` tokens against the cache (marl_jax.generate.prefill), so its memory grows linearly with the
+prompt; each row then gets a copy of its prompt's cache for decoding.
+
 Continuous batching: a call's rows (any number) go through one batch of at most `max_batch` rows. Each
 row counts its own tokens and writes its own cache slot, so when an eighth of the rows have finished
 the loop exits, the host harvests them and prefills waiting prompts into their places (programs: one
@@ -54,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marl_jax.generate.prefill import PREFILL_CHUNK, prefill_chunks
 from marl_jax.models import decoder
 from marl_jax.models.decoder import KVCache, ModelConfig, PagedCache
 from marl_jax.models import sharding
@@ -342,7 +347,8 @@ class Sampler:
     end), `compaction`, `share_prefix` (prefill a prefix all distinct prompts share once) and the prefix cache
     (`prefix_cache_tokens` > 0: keys and values of earlier calls' prompts and completions, reused by later
     prompts that extend them; see PrefixCache) only save work, and `paged` (a paged KV cache of `kv_block`-slot
-    blocks) only saves memory; turning them off gives the same completions (tests compare both ways).
+    blocks) only saves memory; turning them off gives the same completions (tests compare both ways), and so does
+    `prefill_chunk` (prompts prefilled in chunks of at most this many tokens: the bound on prefill memory).
     Compaction moves a tail down through 2 batch sizes per octave (2^k, 3 * 2^k) as its rows finish; a tail
     that has decoded `compaction_patience` steps without reaching the next size (its live rows are the long
     ones) is compacted onto the finer grid of `compaction_buckets` sizes per octave (2^k (1 + i / buckets)).
@@ -359,7 +365,7 @@ class Sampler:
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
                  rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True,
                  paged: bool = False, kv_block: int = 16, compaction_buckets: int = 16,
-                 compaction_patience: int = 64):
+                 compaction_patience: int = 64, prefill_chunk: int = PREFILL_CHUNK):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
@@ -376,6 +382,9 @@ class Sampler:
         if kv_block < 1:
             raise ValueError(f"kv_block must be >= 1, got {kv_block}")
         self.paged, self.kv_block = paged, kv_block
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if compaction_buckets < 1:
             raise ValueError(f"compaction_buckets must be >= 1, got {compaction_buckets}")
         if compaction_patience < 1:
@@ -418,16 +427,20 @@ class Sampler:
 
             pool (or None) = (k, v, src [Bu, C']): the prefix cache's keys and values and, for each of the first
             C' slots of each row, the cache slot its key and value come from (-1: none); a row's cached prefix
-            is loaded there instead of computed (then C = 0)."""
+            is loaded there instead of computed (then C = 0).
+
+            The prefix and the rests run in chunks of prefill_chunk tokens (marl_jax.generate.prefill), so a
+            long prompt's attention scores are [Bu, heads, chunk, C + S], not [Bu, heads, S, S]."""
             Bu, S = tokens.shape
             C = prefix.shape[0]
             params, lo = self._select(params, trainable, slot)
             run = functools.partial(decoder.forward_cached, params, cfg, lora=lo, lora_scale=self.lora_scale,
                                     dtype=self.dtype, last_only=True, mesh=self.mesh, rules=self.rules)
             cache = decoder.init_cache(cfg, Bu, cache_len, self.dtype)
+            chunked = functools.partial(prefill_chunks, run, chunk=self.prefill_chunk)
             if C:
-                _, one = run(prefix[None], jnp.arange(C)[None], decoder.init_cache(cfg, 1, cache_len, self.dtype),
-                             jnp.int32(0), jnp.ones((1, C), bool), window=C)
+                _, one = chunked(prefix[None], jnp.arange(C)[None], jnp.ones((1, C), bool),
+                                 decoder.init_cache(cfg, 1, cache_len, self.dtype), 0, window=C)
                 cache = jax.tree_util.tree_map(lambda x, full: jnp.broadcast_to(x, full.shape), one, cache)
             if pool is not None:
                 pk, pv, src = pool
@@ -438,7 +451,7 @@ class Sampler:
                 cache = KVCache(cache.k.at[..., :C].set(k), cache.v.at[:, :, :, :C].set(v),
                                 cache.valid.at[:, :C].set(src >= 0))
             positions = offset[:, None] + jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-            logits, cache = run(tokens, positions, cache, jnp.int32(C), valid, window=C + S)
+            logits, cache = chunked(tokens, positions, valid, cache, C, window=C + S)
             take = lambda x, axis=0: jnp.take(x, expand, axis=axis)
             cache = cache.map_batch(take)
             logits, positions = take(logits[:, -1]), take(positions)
@@ -611,7 +624,8 @@ class Sampler:
         expand = np.zeros(B, np.int32)
         for i, p in enumerate(prompts):  # identical prompts (the G episodes of a task) are prefilled once
             expand[i] = uniq.setdefault(tuple(p), len(uniq))
-        Bu = _batch_bucket(len(uniq), self.min_batch, self.data_size)
+        # The distinct prompts at their own bucketed count (not min_batch: one long prompt is one row).
+        Bu = _batch_bucket(len(uniq), 1, self.data_size)
         C, S, cached, hits, pc = plan["C"], plan["S"], plan["cached"], plan["hits"], self.prefix_cache
         tokens = np.full((Bu, S), self.pad_id, np.int32)
         valid = np.zeros((Bu, S), bool)
