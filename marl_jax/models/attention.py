@@ -1,0 +1,430 @@
+"""Attention: the one place that computes attention scores.
+
+`attention(q, k, v, layout, impl=...)` takes queries [B, S, Hq, hd], keys and values [B, T, Hkv, hd]
+(or the KV cache's own layout, see `kv_layout`) and a `Layout`: int arrays of query slots and segment
+ids, never a [T, T] mask. A query at slot p of segment s (parent segment r) sees key t when
+
+    t <= p  and  seg[t] > 0  and  seg[t] in {s, r}
+
+which covers every layout the project uses: causal rows with padding (`causal`), rows packed end to end
+(`packed`), rows laid over one copy of a shared prefix (`shared_prefix`), and a chunk of queries against
+a KV cache window (`cached`). Queries that see no key get an unspecified finite output (padding).
+
+Implementations (`impl`), chosen per backend by `choose`:
+- "dense": scores [B, H, S, T] materialised; fastest for single-token decode and short rows.
+- "blockwise": FlashAttention's algorithm in plain JAX, any backend, float32 or bfloat16: an online
+  softmax over KV blocks, a custom VJP that saves the output and the log-sum-exp and recomputes each block
+  in the backward, blocks that hold no visible pair (above the causal diagonal, or of other segments in
+  packed rows) skipped, grouped-query attention without repeating K/V. Memory is O(T) per row.
+  Written here because nothing maintained does this on CPU: `jax.nn.dot_product_attention`'s XLA path
+  builds the full T x S logits, and tokamax's `xla_chunked` repeats K/V for GQA, differentiates through
+  its chunks with plain AD, and skips no block of packed segments.
+- "splash" (TPU): jax's Pallas splash attention, vmapped over rows, segment ids for padding and packing,
+  GQA; under a mesh inside `shard_map`. Layouts it cannot express (shared-prefix parents, cache chunks)
+  fall back to blockwise, said once in the log.
+- "cudnn" (GPU): `jax.nn.dot_product_attention(implementation="cudnn")` with `is_causal` and sequence
+  lengths (never a mask: it would become a dense bias) for right-padded causal rows in bfloat16 / float16;
+  other layouts and float32 fall back to blockwise, said once in the log.
+- "auto": dense for decode and rows whose scores are small, the backend's kernel above that, blockwise
+  otherwise.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+IMPLS = ("auto", "dense", "blockwise", "splash", "cudnn")
+_NEG = -1e30  # masked score: finite, so fully masked rows stay NaN-free
+log = logging.getLogger(__name__)
+
+
+@struct.dataclass
+class Layout:
+    """Who sees whom. q_pos [B, S]: each query's slot on the key axis (causality); q_seg [B, S] and
+    kv_seg [B, T]: segment ids (0 = padding, never seen); q_parent [B, S] or None: a second segment the
+    query also sees (the shared prefix its row extends).
+
+    kind (static): "causal" (one segment per row, q_pos = arange), "packed", "shared_prefix" or "cached"
+    (a chunk of queries at given slots of a cache). right_padded (static): causal rows whose valid
+    tokens are a prefix of the row (what cuDNN's sequence lengths can express)."""
+
+    q_pos: jax.Array
+    q_seg: jax.Array
+    kv_seg: jax.Array
+    q_parent: Any = None
+    kind: str = struct.field(pytree_node=False, default="causal")
+    right_padded: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def aligned(self) -> bool:
+        """Queries are the keys themselves (S == T, query i at slot i)."""
+        return self.kind != "cached"
+
+    def mask(self, T: int | None = None) -> jax.Array:
+        """The dense [B, S, T] mask (dense attention and tests only)."""
+        kv = self.kv_seg if T is None else self.kv_seg[:, :T]
+        t = jnp.arange(kv.shape[1])
+        m = (t[None, None, :] <= self.q_pos[:, :, None]) & (kv[:, None, :] > 0)
+        same = kv[:, None, :] == self.q_seg[:, :, None]
+        if self.q_parent is not None:
+            same = same | (kv[:, None, :] == self.q_parent[:, :, None])
+        return m & same
+
+
+def causal(valid: jax.Array, right_padded: bool = False) -> Layout:
+    """Causal rows; valid [B, T] marks real tokens (padding on either side)."""
+    B, T = valid.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return Layout(pos, jnp.ones((B, T), jnp.int32), valid.astype(jnp.int32), None, "causal", right_padded)
+
+
+def packed(segments: jax.Array) -> Layout:
+    """Rows laid end to end: segments [B, T], one id > 0 per row, 0 for padding."""
+    B, T = segments.shape
+    seg = segments.astype(jnp.int32)
+    return Layout(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), seg, seg, None, "packed")
+
+
+def shared_prefix(segments: jax.Array, parents: jax.Array) -> Layout:
+    """Packed rows that also see their parent segment (a prefix laid once before the rows extending it)."""
+    lay = packed(segments)
+    return lay.replace(q_parent=parents.astype(jnp.int32), kind="shared_prefix")
+
+
+def cached(query_slot: jax.Array, kv_valid: jax.Array) -> Layout:
+    """Queries at cache slots query_slot [B, S] over cache slots kv_valid [B, T] (True: holds a token)."""
+    B, S = query_slot.shape
+    return Layout(query_slot.astype(jnp.int32), jnp.ones((B, S), jnp.int32), kv_valid.astype(jnp.int32), None,
+                  "cached")
+
+
+def _acc(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+# ---- dense ----
+
+def dense(q, k, v, layout: Layout, kv_layout: str = "bthd"):
+    """Scores materialised. kv_layout "bthd": k, v [B, T, Hkv, hd]; "cache": k [B, Hkv, hd, T] and
+    v [B, Hkv, T, hd], read as laid out (both products plain batched matmuls, no transpose)."""
+    B, S, Hq, hd = q.shape
+    if kv_layout == "cache":
+        Hkv, T = k.shape[1], k.shape[3]
+    else:
+        T, Hkv = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    mask = layout.mask(T)
+    if kv_layout == "cache":
+        qg = q.reshape(B, S, Hkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, g * S, hd)
+        scores = jnp.matmul(qg, k, preferred_element_type=_acc(q.dtype)) / math.sqrt(hd)
+        scores = jnp.where(mask[:, None, None], scores.reshape(B, Hkv, g, S, T), _NEG)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, Hkv, g * S, T)
+        out = jnp.matmul(probs, v).reshape(B, Hkv, g, S, hd)
+        return out.transpose(0, 3, 1, 2, 4).reshape(B, S, Hq * hd)
+    qg = q.reshape(B, S, Hkv, g, hd)
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=_acc(q.dtype)) / math.sqrt(hd)
+    scores = jnp.where(mask[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(B, S, Hq * hd)
+
+
+# ---- blockwise (FlashAttention in plain JAX) ----
+
+def _pad_to(x, axis, size, value=0):
+    n = x.shape[axis]
+    if n == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - n)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _needed(layout: Layout, bq: int, bk: int, nq: int, nk: int):
+    """[nq, nk] bool: KV block j may hold a key some query of block i sees (any row), from each block's
+    slot and segment ranges: causal (the block's first key slot <= the queries' last slot) and segment
+    intervals overlapping. Conservative (never drops a needed block); exact for contiguous segments."""
+    S, T = nq * bq, nk * bk
+    qpos = _pad_to(layout.q_pos, 1, S, -1).reshape(-1, nq, bq)
+    big = jnp.iinfo(jnp.int32).max
+
+    def rng(x, valid, shape):  # per-block [min, max] over valid entries
+        x = x.reshape(shape)
+        valid = valid.reshape(shape)
+        return jnp.where(valid, x, big).min(-1), jnp.where(valid, x, -1).max(-1)
+
+    qvalid = qpos >= 0
+    qseg = _pad_to(layout.q_seg, 1, S).reshape(-1, nq, bq)
+    qlo, qhi = rng(qseg, qvalid & (qseg > 0), qseg.shape)
+    kseg = _pad_to(layout.kv_seg, 1, T)
+    klo, khi = rng(kseg, kseg > 0, (-1, nk, bk))
+    overlap = (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])
+    if layout.q_parent is not None:
+        par = _pad_to(layout.q_parent, 1, S).reshape(-1, nq, bq)
+        plo, phi = rng(par, qvalid & (par > 0), par.shape)
+        overlap |= (plo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= phi[:, :, None])
+    last = jnp.where(qvalid, qpos, -1).max(-1)  # [B, nq]
+    first_key = jnp.arange(nk) * bk
+    return ((first_key[None, None, :] <= last[:, :, None]) & overlap).any(0)
+
+
+def _block_mask(layout_blocks, i, j, bk):
+    """[B, bq, bk] mask of q block i against KV block j."""
+    qpos, qseg, qpar, kseg = layout_blocks
+    kp = j * bk + jnp.arange(bk)
+    ks = jax.lax.dynamic_index_in_dim(kseg, j, 1, keepdims=False)  # [B, bk]
+    qp, qs = qpos[:, i], qseg[:, i]  # [B, bq]
+    m = (kp[None, None, :] <= qp[:, :, None]) & (ks[:, None, :] > 0)
+    same = ks[:, None, :] == qs[:, :, None]
+    if qpar is not None:
+        same = same | (ks[:, None, :] == qpar[:, i][:, :, None])
+    return m & same
+
+
+def _blocks(q, k, v, layout: Layout, bq: int, bk: int):
+    """Pad to whole blocks and split: q [B, nq, bq, Hkv, g, hd], k / v [B, nk, bk, Hkv, hd]."""
+    B, S, Hq, hd = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    nq, nk = -(-S // bq), -(-T // bk)
+    qb = _pad_to(q, 1, nq * bq).reshape(B, nq, bq, Hkv, Hq // Hkv, hd)
+    kb = _pad_to(k, 1, nk * bk).reshape(B, nk, bk, Hkv, hd)
+    vb = _pad_to(v, 1, nk * bk).reshape(B, nk, bk, Hkv, hd)
+    lb = (_pad_to(layout.q_pos, 1, nq * bq, -1).reshape(B, nq, bq),
+          _pad_to(layout.q_seg, 1, nq * bq).reshape(B, nq, bq),
+          None if layout.q_parent is None else _pad_to(layout.q_parent, 1, nq * bq).reshape(B, nq, bq),
+          _pad_to(layout.kv_seg, 1, nk * bk).reshape(B, nk, bk))
+    return qb, kb, vb, lb, nq, nk
+
+
+def _kv_range(needed):
+    """Per q block, the KV blocks [lo, hi) to visit (needed ones in between are tested one by one)."""
+    nk = needed.shape[1]
+    idx = jnp.arange(nk)
+    lo = jnp.where(needed, idx, nk).min(1)
+    hi = jnp.where(needed, idx + 1, 0).max(1)
+    return lo, jnp.maximum(hi, lo)
+
+
+def _fwd(q, k, v, layout: Layout, bq: int, bk: int):
+    B, S, Hq, hd = q.shape
+    qb, kb, vb, lb, nq, nk = _blocks(q, k, v, layout, bq, bk)
+    Hkv, g = qb.shape[3], qb.shape[4]
+    acc_t = _acc(q.dtype)
+    scale = 1.0 / math.sqrt(hd)
+    needed = _needed(layout, bq, bk, nq, nk)
+    lo, hi = _kv_range(needed)
+
+    def q_block(i):
+        qi = qb[:, i]  # [B, bq, Hkv, g, hd]
+
+        def visit(j, carry):
+            m, l, acc = carry
+            kj, vj = kb[:, j], vb[:, j]
+            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=acc_t) * scale
+            mask = _block_mask(lb, i, j, bk)[:, None, None]  # [B, 1, 1, bq, bk]
+            m_new = jnp.maximum(m, jnp.where(mask, s, _NEG).max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + p.sum(-1)
+            pv = jnp.einsum("bkgqt,btkd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=acc_t)
+            return m_new, l, acc * alpha[..., None] + pv
+
+        def body(j, carry):
+            return jax.lax.cond(needed[i, j], visit, lambda j, c: c, j, carry)
+
+        init = (jnp.full((B, Hkv, g, bq), _NEG, acc_t), jnp.zeros((B, Hkv, g, bq), acc_t),
+                jnp.zeros((B, Hkv, g, bq, hd), acc_t))
+        m, l, acc = jax.lax.fori_loop(lo[i], hi[i], body, init)
+        safe = jnp.where(l > 0, l, 1.0)
+        out = acc / safe[..., None]
+        lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # inf: p = exp(s - inf) = 0 in the backward
+        return out, lse
+
+    out, lse = jax.lax.map(q_block, jnp.arange(nq))  # [nq, B, Hkv, g, bq, hd], [nq, B, Hkv, g, bq]
+    o = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * bq, Hq, hd)[:, :S].astype(q.dtype)
+    return o, lse
+
+
+def _bwd(q, k, v, layout: Layout, o, lse, do, bq: int, bk: int):
+    B, S, Hq, hd = q.shape
+    T = k.shape[1]
+    qb, kb, vb, lb, nq, nk = _blocks(q, k, v, layout, bq, bk)
+    Hkv, g = qb.shape[3], qb.shape[4]
+    acc_t = _acc(q.dtype)
+    scale = 1.0 / math.sqrt(hd)
+    needed = _needed(layout, bq, bk, nq, nk)
+    lo, hi = _kv_range(needed)
+    dob = _pad_to(do, 1, nq * bq).reshape(B, nq, bq, Hkv, g, hd)
+    # D = rowsum(dO * O), [B, nq, Hkv, g, bq]
+    dsum = (_pad_to(do.astype(acc_t) * o.astype(acc_t), 1, nq * bq).sum(-1)
+            .reshape(B, nq, bq, Hkv, g).transpose(0, 1, 3, 4, 2))
+
+    def q_block(carry, i):
+        dk, dv = carry
+        qi, doi, lsei, di = qb[:, i], dob[:, i], lse[i], dsum[:, i]
+
+        def visit(j, c):
+            dq, dk, dv = c
+            kj, vj = kb[:, j], vb[:, j]
+            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=acc_t) * scale
+            mask = _block_mask(lb, i, j, bk)[:, None, None]
+            p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)  # [B, Hkv, g, bq, bk]
+            dvj = jnp.einsum("bkgqt,bqkgd->btkd", p.astype(do.dtype), doi, preferred_element_type=acc_t)
+            dp = jnp.einsum("bqkgd,btkd->bkgqt", doi, vj, preferred_element_type=acc_t)
+            ds = p * (dp - di[..., None]) * scale
+            dq = dq + jnp.einsum("bkgqt,btkd->bqkgd", ds.astype(q.dtype), kj, preferred_element_type=acc_t)
+            dkj = jnp.einsum("bkgqt,bqkgd->btkd", ds.astype(q.dtype), qi, preferred_element_type=acc_t)
+            add = lambda buf, x: jax.lax.dynamic_update_index_in_dim(
+                buf, jax.lax.dynamic_index_in_dim(buf, j, 1, keepdims=False) + x, j, 1)
+            return dq, add(dk, dkj), add(dv, dvj)
+
+        def body(j, c):
+            return jax.lax.cond(needed[i, j], visit, lambda j, c: c, j, c)
+
+        dq, dk, dv = jax.lax.fori_loop(lo[i], hi[i], body, (jnp.zeros(qi.shape, acc_t), dk, dv))
+        return (dk, dv), dq
+
+    zeros = jnp.zeros((B, nk, bk, Hkv, hd), acc_t)
+    (dk, dv), dq = jax.lax.scan(q_block, (zeros, zeros), jnp.arange(nq))
+    dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(B, nq * bq, Hq, hd)[:, :S]
+    dk = dk.reshape(B, nk * bk, Hkv, hd)[:, :T]
+    dv = dv.reshape(B, nk * bk, Hkv, hd)[:, :T]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, layout, bq, bk):
+    return _fwd(q, k, v, layout, bq, bk)[0]
+
+
+def _flash_fwd(q, k, v, layout, bq, bk):
+    o, lse = _fwd(q, k, v, layout, bq, bk)
+    return o, (q, k, v, layout, o, lse)
+
+
+def _flash_bwd(bq, bk, res, do):
+    q, k, v, layout, o, lse = res
+    dq, dk, dv = _bwd(q, k, v, layout, o, lse, do, bq, bk)
+    zero = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, jax.dtypes.float0), layout)
+    return dq, dk, dv, zero
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise(q, k, v, layout: Layout, block_q: int = 512, block_kv: int = 512):
+    """FlashAttention over blocks of block_q queries and block_kv keys (shrunk to the row length)."""
+    B, S, Hq, hd = q.shape
+    bq = min(block_q, S)
+    bk = min(block_kv, k.shape[1])
+    return _flash(q, k, v, layout, bq, bk).reshape(B, S, Hq * hd)
+
+
+# ---- TPU: Pallas splash attention ----
+
+def splash(q, k, v, layout: Layout, *, interpret: bool = False, block: int = 512, mesh=None):
+    """jax's Pallas splash attention (segment ids for padding and packing, GQA), vmapped over rows.
+    Layouts it cannot express fall back to blockwise."""
+    B, S, Hq, hd = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    if layout.kind not in ("causal", "packed") or S != T or T % 128:
+        _once(f"splash attention cannot express a {layout.kind!r} layout at {S}x{T} tokens "
+              "(needs query = key rows, a multiple of 128 tokens, no parent segments): blockwise instead")
+        return blockwise(q, k, v, layout)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    b = math.gcd(T, block)
+    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(Hq)])
+    kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # Padding keys get an id no query has (-1), so they are never seen; queries keep theirs.
+    kv_seg = jnp.where(layout.kv_seg > 0, layout.kv_seg, -1)
+
+    def rows(q, k, v, q_seg, kv_seg):
+        ids = sk.SegmentIds(q=q_seg, kv=kv_seg)
+        one = lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids)
+        qs = (q * (1.0 / math.sqrt(hd))).astype(q.dtype).transpose(0, 2, 1, 3)
+        out = jax.vmap(one)(qs, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), ids)
+        return out.transpose(0, 2, 1, 3)
+
+    if mesh is not None:
+        from jax.sharding import PartitionSpec as P
+        from marl_jax.models.axes import ROW_AXES
+        rows_ax = tuple(a for a in ROW_AXES if mesh.shape.get(a, 1) > 1) or None
+        heads = "model" if mesh.shape.get("model", 1) > 1 and Hkv % mesh.shape["model"] == 0 else None
+        spec = P(rows_ax, None, heads, None)
+        ids = P(rows_ax, None)
+        rows = jax.shard_map(rows, mesh=mesh, in_specs=(spec, spec, spec, ids, ids), out_specs=spec,
+                             check_vma=False)
+    return rows(q, k, v, layout.q_seg, kv_seg).reshape(B, S, Hq * hd)
+
+
+# ---- GPU: cuDNN ----
+
+def cudnn(q, k, v, layout: Layout):
+    """cuDNN's fused attention for right-padded causal rows (sequence lengths, never a mask)."""
+    B, S, Hq, hd = q.shape
+    if layout.kind != "causal" or not layout.right_padded or q.dtype not in (jnp.bfloat16, jnp.float16):
+        _once(f"cuDNN attention needs right-padded causal rows in bfloat16/float16 (got a {layout.kind!r} "
+              f"layout, right_padded={layout.right_padded}, {q.dtype}): blockwise instead")
+        return blockwise(q, k, v, layout)
+    lengths = layout.kv_seg.sum(-1).astype(jnp.int32)
+    out = jax.nn.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(hd), is_causal=True,
+                                       query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                       implementation="cudnn")
+    return out.reshape(B, S, Hq * hd)
+
+
+_said: set = set()
+
+
+def _once(msg: str):
+    if msg not in _said:
+        _said.add(msg)
+        log.warning(msg)
+
+
+# Dense while a row's float32 scores stay under this many elements per head (S x T); measured on CPU
+# (benchmarks/attention.py) dense is faster below it and blockwise saves memory above.
+DENSE_MAX_SCORES = 1024 * 1024
+
+
+def choose(impl: str, S: int, T: int, backend: str | None = None) -> str:
+    """The implementation `impl` runs as: "auto" picks by backend and size; others are returned as given."""
+    if impl not in IMPLS:
+        raise ValueError(f"model.attention must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if S == 1 or S * T <= DENSE_MAX_SCORES:
+        return "dense"
+    backend = backend or jax.default_backend()
+    if backend == "tpu":
+        return "splash"
+    if backend in ("gpu", "cuda", "rocm"):
+        return "cudnn"
+    return "blockwise"
+
+
+def attention(q, k, v, layout: Layout, impl: str = "auto", *, kv_layout: str = "bthd", mesh=None,
+              block_q: int = 512, block_kv: int = 512, interpret: bool = False):
+    """Grouped-query attention of q [B, S, Hq, hd] over k, v ([B, T, Hkv, hd], or the cache layout with
+    kv_layout="cache"). Returns [B, S, Hq * hd]."""
+    T = k.shape[3] if kv_layout == "cache" else k.shape[1]
+    name = choose(impl, q.shape[1], T)
+    if name == "dense":
+        return dense(q, k, v, layout, kv_layout)
+    if kv_layout == "cache":  # the kernels read [B, T, Hkv, hd]
+        k, v = k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)
+    if name == "blockwise":
+        return blockwise(q, k, v, layout, block_q, block_kv)
+    if name == "splash":
+        return splash(q, k, v, layout, interpret=interpret, mesh=mesh)
+    return cudnn(q, k, v, layout)
