@@ -36,9 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Params = Mapping[str, Any]
+from marl_jax.models import attention as attn
+from marl_jax.models.axes import (ACT_HEADS, ACT_HIDDEN, ACT_LOGITS, ACT_MLP, LAYER_AXES, LINEAR_NAMES,
+                                  TOP_AXES)
 
-LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+Params = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -58,6 +60,9 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # How attention is computed (marl_jax.models.attention: auto | dense | blockwise | splash | cudnn);
+    # not part of the checkpoint, every choice computes the same values.
+    attention: str = "auto"
 
     @property
     def q_dim(self) -> int:
@@ -172,27 +177,6 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return out
 
 
-# Logical axes of each layer parameter, without the leading "layers" axis nn.scan adds. q/k/v/o are
-# stored with heads and head_dim merged ([D, H*hd]); splitting that axis over "model" splits whole
-# heads whenever the head count divides.
-LAYER_AXES = {
-    "attn_norm": ("norm",), "mlp_norm": ("norm",),
-    "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
-    "wo": ("heads", "embed"),
-    "bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",),
-    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
-    "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-}
-TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
-
-# Activation names differ from parameter names where a mesh axis may split one but not the other
-# (MaxText's split): the "embed" dimension of weights goes over "fsdp", a hidden vector's does not.
-ACT_HIDDEN = ("batch", "length", "act_embed")
-ACT_HEADS = ("batch", "length", "act_heads")
-ACT_MLP = ("batch", "length", "act_mlp")
-ACT_LOGITS = ("batch", "length", "act_vocab")
-
-
 def _normal(key, shape, dtype=jnp.float32):
     return (0.02 * jax.random.normal(key, shape)).astype(dtype)  # HF's initializer_range
 
@@ -217,6 +201,7 @@ class KVCache(NamedTuple):
 
 KV_AXES = KVCache(("layers", "batch", "act_kv_heads", None, None), ("layers", "batch", "act_kv_heads", None, None),
                   ("batch", None))
+KVCache.AXES = KV_AXES  # read by marl_jax.models.sharding.constrain_state
 
 
 class PagedCache(NamedTuple):
@@ -254,6 +239,7 @@ class PagedCache(NamedTuple):
 PAGED_AXES = PagedCache(("layers", "batch", None, None, "act_kv_heads", None),
                         ("layers", "batch", None, None, "act_kv_heads", None),
                         ("batch", None), ("batch", None), ("batch", None), ("batch",))
+PagedCache.AXES = PAGED_AXES
 
 
 def init_paged(cfg: ModelConfig, blocks: int, block: int, batch: int, length: int, shards: int = 1,
@@ -324,32 +310,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attention(q, k, v, mask):
-    """Grouped-query attention. q [B,S,Hq,hd]; k, v [B,T,Hkv,hd]; mask [B,S,T] bool."""
-    B, S, Hq, hd = q.shape
-    Hkv = k.shape[2]
-    q = q.reshape(B, S, Hkv, Hq // Hkv, hd)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=_acc(q.dtype)) / math.sqrt(hd)
-    scores = jnp.where(mask[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(B, S, Hq * hd)
-
-
-def cached_attention(q, k_cache, v_cache, mask):
-    """Attention of q [B, S, Hq, hd] over one layer's cache (k [B, Hkv, hd, T], v [B, Hkv, T, hd]);
-    mask [B, S, T]. Both products are plain batched matmuls over the cache as it is laid out."""
-    B, S, Hq, hd = q.shape
-    Hkv, T = k_cache.shape[1], k_cache.shape[3]
-    g = Hq // Hkv
-    qg = q.reshape(B, S, Hkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, g * S, hd)
-    scores = jnp.matmul(qg, k_cache, preferred_element_type=_acc(q.dtype)) / math.sqrt(hd)
-    scores = jnp.where(mask[:, None, None], scores.reshape(B, Hkv, g, S, T), -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, Hkv, g * S, T)
-    out = jnp.matmul(probs, v_cache).reshape(B, Hkv, g, S, hd)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, S, Hq * hd)
-
-
 REMAT = ("none", "dots", "full")
 _REMAT_POLICY = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                  "full": jax.checkpoint_policies.nothing_saveable}
@@ -396,7 +356,7 @@ class Block(_Sharded):
         return y
 
     @nn.compact
-    def __call__(self, carry, positions, mask, write_index):
+    def __call__(self, carry, positions, layout, write_index):
         cfg = self.cfg
         D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         x = carry[0] if self.cached else carry
@@ -429,8 +389,8 @@ class Block(_Sharded):
             k_pool = paged_write(k_pool, i, blocks, slots % blk, k)
             v_pool = paged_write(v_pool, i, blocks, slots % blk, v)
             read = table[:, :W // blk]
-            a = attention(q, paged_read(k_pool, i, read).astype(q.dtype), paged_read(v_pool, i, read).astype(q.dtype),
-                          mask)
+            a = attn.attention(q, paged_read(k_pool, i, read).astype(q.dtype),
+                               paged_read(v_pool, i, read).astype(q.dtype), layout, cfg.attention, mesh=self.mesh)
             k_cache, v_cache = k_pool, v_pool
         elif self.cached:
             _, k_cache, v_cache, i = carry
@@ -445,9 +405,9 @@ class Block(_Sharded):
                 v_cache = jax.lax.dynamic_update_slice(v_cache, vn[None], (i, 0, 0, write_index, 0))
             k_all = jax.lax.dynamic_slice(k_cache, (i, 0, 0, 0, 0), (1, B, H, hd, W))[0].astype(q.dtype)
             v_all = jax.lax.dynamic_slice(v_cache, (i, 0, 0, 0, 0), (1, B, H, W, hd))[0].astype(q.dtype)
-            a = cached_attention(q, k_all, v_all, mask)
+            a = attn.attention(q, k_all, v_all, layout, cfg.attention, kv_layout="cache", mesh=self.mesh)
         else:
-            a = attention(q, k, v, mask)
+            a = attn.attention(q, k, v, layout, cfg.attention, mesh=self.mesh)
         x = x + self._linear(a, "wo", self._param("wo", (cfg.q_dim, D)))
         x = self.constrain(x, ACT_HIDDEN)
         h = rms_norm(x, self._param("mlp_norm", (D,), ones), cfg.rms_norm_eps)
@@ -488,7 +448,7 @@ class Decoder(_Sharded):
     def _top(self, name, shape, init=_normal):
         return self.param(name, nn.with_logical_partitioning(init, TOP_AXES[name]), shape, self.param_dtype)
 
-    def _layers(self, carry, positions, mask, write_index=None, window: int = 0, paged: bool = False):
+    def _layers(self, carry, positions, layout, write_index=None, window: int = 0, paged: bool = False):
         cached = window > 0
         if self.remat not in REMAT:
             raise ValueError(f"remat must be one of {REMAT}, got {self.remat!r}")
@@ -501,7 +461,7 @@ class Decoder(_Sharded):
                           metadata_params={nn.PARTITION_NAME: "layers"})
         return scanned(cfg=self.cfg, dtype=self.dtype, param_dtype=self.param_dtype, lora_scale=self.lora_scale,
                        cached=cached, window=window, paged=paged, mesh=self.mesh, rules=self.rules,
-                       name="layers")(carry, positions, mask, write_index)[0]
+                       name="layers")(carry, positions, layout, write_index)[0]
 
     @nn.compact
     def _run(self, tokens=None, valid=None, hidden=None, *, logits=True, cache=None, positions=None,
@@ -517,16 +477,15 @@ class Decoder(_Sharded):
             table = self.constrain(embed, ("act_vocab", "act_embed"))
             x = self.constrain(jnp.take(table, tokens, axis=0).astype(self.dtype), ACT_HIDDEN)
             if cache is None and segments is not None:
-                positions, mask = (shared_prefix_layout(*segments) if isinstance(segments, tuple)
-                                   else segment_layout(segments))
-                hidden = self._layers(x, positions, mask)
+                positions, layout = (shared_prefix_layout(*segments) if isinstance(segments, tuple)
+                                     else segment_layout(segments))
+                hidden = self._layers(x, positions, layout)
             elif cache is None:
                 B, T = tokens.shape
                 if valid is None:
                     valid = jnp.ones((B, T), bool)
                 positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-                mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]
-                hidden = self._layers(x, positions, mask)
+                hidden = self._layers(x, positions, attn.causal(valid))
             else:
                 S, T = tokens.shape[1], cache.valid.shape[1]
                 W = T if window is None else window
@@ -536,16 +495,15 @@ class Decoder(_Sharded):
                     cvalid = jax.vmap(lambda c, n, w: jax.lax.dynamic_update_slice(c, n, (w,)))(
                         cache.valid, new_valid, write_index)
                     query_slot = write_index[:, None] + jnp.arange(S)  # [B, S]
-                    mask = (jnp.arange(W)[None, None, :] <= query_slot[:, :, None]) & cvalid[:, None, :W]
                 else:
                     cvalid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
-                    query_slot = write_index + jnp.arange(S)
-                    mask = (jnp.arange(W)[None, :] <= query_slot[:, None])[None] & cvalid[:, None, :W]  # [B, S, W]
+                    query_slot = jnp.broadcast_to(write_index + jnp.arange(S), (tokens.shape[0], S))
+                layout = attn.cached(query_slot, cvalid[:, :W])
                 paged = isinstance(cache, PagedCache)
                 if paged and (W % cache.block or jnp.ndim(write_index) != 1):
                     raise ValueError(f"a paged cache needs a window that is a multiple of its block "
                                      f"({cache.block}, got {W}) and a write slot per row")
-                hidden, k, v, _ = self._layers((x, cache.k, cache.v, jnp.int32(0)), positions, mask,
+                hidden, k, v, _ = self._layers((x, cache.k, cache.v, jnp.int32(0)), positions, layout,
                                                (write_index, cache.table) if paged else write_index, W, paged)
                 new_cache = cache._replace(k=k, v=v, valid=cvalid) if paged else KVCache(k, v, cvalid)
                 if last_only:
@@ -608,31 +566,24 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arra
                    method=Decoder.hidden if return_hidden else Decoder.__call__)
 
 
-def segment_layout(segments: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Positions [B, T] and attention mask [B, T, T] of packed sequences: a token attends to the earlier
-    tokens of its own segment only (never across rows, never to padding, id 0), and its position counts
-    from its segment's first token. Segments are contiguous runs of one id."""
+def segment_layout(segments: jax.Array) -> tuple[jax.Array, attn.Layout]:
+    """Positions [B, T] and attention layout of packed sequences: a token attends to the earlier tokens of
+    its own segment only (never across rows, never to padding, id 0), and its position counts from its
+    segment's first token. Segments are contiguous runs of one id."""
     B, T = segments.shape
     idx = jnp.arange(T)
     starts = jnp.concatenate([jnp.ones((B, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
     first = jax.lax.cummax(jnp.where(starts, idx[None], 0), axis=1)
-    positions = idx[None] - first
-    same = segments[:, :, None] == segments[:, None, :]
-    mask = jnp.tril(jnp.ones((T, T), bool))[None] & same & (segments[:, None, :] > 0)
-    return positions, mask
+    return idx[None] - first, attn.packed(segments)
 
 
 def shared_prefix_layout(segments: jax.Array, parents: jax.Array, positions: jax.Array
-                         ) -> tuple[jax.Array, jax.Array]:
-    """Positions and mask [B, T, T] of packed sequences where rows share prefixes: a token attends to the
+                         ) -> tuple[jax.Array, attn.Layout]:
+    """Positions and attention layout of packed sequences where rows share prefixes: a token attends to the
     earlier tokens of its own segment and of its parent segment (a prefix laid once before the rows that
     extend it; parent 0: none), never to padding (id 0). positions [B, T] are given (a row's tokens after
     a shared prefix continue its count), so each row's outputs are those of the row run alone."""
-    T = segments.shape[1]
-    key = segments[:, None, :]
-    mask = (jnp.tril(jnp.ones((T, T), bool))[None] & (key > 0)
-            & ((key == segments[:, :, None]) | (key == parents[:, :, None])))
-    return positions, mask
+    return positions, attn.shared_prefix(segments, parents)
 
 
 def unembed(params: Params, cfg: ModelConfig, x: jax.Array, *, mesh=None, rules=()) -> jax.Array:

@@ -26,10 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from marl_jax.models.decoder import LAYER_AXES, LINEAR_NAMES, TOP_AXES
-
-MESH_AXES = ("data", "fsdp", "model")
-ROW_AXES = ("data", "fsdp")
+from marl_jax.models.axes import LAYER_AXES, LINEAR_NAMES, MESH_AXES, ROW_AXES, TOP_AXES
 
 _ACTIVATIONS = (("batch", ROW_AXES), ("length", None), ("act_embed", None), ("act_heads", "model"),
                 ("act_kv_heads", "model"), ("act_mlp", "model"), ("act_vocab", "model"))
@@ -177,17 +174,14 @@ def constrain(x, names, mesh: Mesh, rules=None):
 
 
 def constrain_state(state, mesh: Mesh, cfg=None, rules=None) -> Any:
-    """Sharding constraints for the sampler's DecodeState: rows on data x fsdp, KV heads on "model"."""
-    from marl_jax.generate.sampler import DecodeState
-    from marl_jax.models.decoder import KV_AXES, PAGED_AXES, KVCache, PagedCache
-
+    """Sharding constraints for the sampler's decode state: rows on data x fsdp, KV heads on "model".
+    The cache type names its own axes (KVCache.AXES, PagedCache.AXES: a paged pool is shared by every
+    row, so its blocks are not split over the data axes, only heads over "model")."""
     c = lambda x, names: constrain(x, names, mesh, rules)
-    # A paged pool is shared by every row: its blocks are not split over the data axes, only heads over "model".
-    kind, axes = (PagedCache, PAGED_AXES) if isinstance(state.cache, PagedCache) else (KVCache, KV_AXES)
-    cache = kind(*(c(x, n) for x, n in zip(state.cache, axes)))
+    cache = type(state.cache)(*(c(x, n) for x, n in zip(state.cache, type(state.cache).AXES)))
     rest = {f: c(getattr(state, f), ("batch",) + (None,) * (getattr(state, f).ndim - 1))
             for f in ("token", "pos", "active", "out_tokens", "out_logp", "row_id", "max_len")}
-    return DecodeState(cache=cache, step=state.step, **rest)
+    return state._replace(cache=cache, **rest)
 
 
 def bytes_per_device(tree: Any) -> int:
