@@ -27,6 +27,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
     c.policy = "shared"  # "shared" (SP) | "isolated" (IP)
 
     c.model = ml_collections.ConfigDict(dict(name="smollm2-135m-instruct", dtype="float32"))
+    # auto | dense | blockwise | splash | cudnn: how attention is computed (marl_jax.models.attention; auto picks
+    # per backend and length); every choice computes the same values
+    c.model.attention = "auto"
     c.trainable = ml_collections.ConfigDict(dict(mode="lora", rank=64, alpha=32.0, targets="all"))
 
     c.task = ml_collections.ConfigDict(dict(
@@ -53,6 +56,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # Compaction of finished rows moves through 2 batch sizes per octave; a tail still decoding after
         # compaction_patience steps is fitted to compaction_buckets sizes per octave (marl_jax.generate.sampler)
         compaction_buckets=16, compaction_patience=64,
+        # Prompts are prefilled in chunks of at most prefill_chunk tokens against the cache: prefill memory
+        # grows linearly with the prompt, not quadratically; same completions (marl_jax.generate.prefill)
+        prefill_chunk=2048,
     ))
     c.advantage = ml_collections.ConfigDict(dict(standardize=True, eps=1e-6))
     c.grpo = ml_collections.ConfigDict(dict(
@@ -154,6 +160,7 @@ _CHOICES = {
     "workflow": ("single_agent", "eval_opt", "voting", "orch_workers"),
     "policy": ("shared", "isolated"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.attention": ("auto", "dense", "blockwise", "splash", "cudnn"),
     "trainable.mode": ("lora", "full"),
     "task.kind": ("math", "code"),
     "task.source": ("reasoning_gym", "file", "humaneval", "code_file"),
@@ -168,7 +175,7 @@ _CHOICES = {
     "optim.schedule": ("constant", "warmup_cosine"),
 }
 _POSITIVE = ("num_tasks", "rollout.group_size", "rollout.max_batch", "rollout.kv_block", "rollout.compaction_buckets",
-             "rollout.compaction_patience", "grpo.micro_batch", "train.val_every", "train.ckpt_every", "trainable.rank", "task.size",
+             "rollout.compaction_patience", "rollout.prefill_chunk", "grpo.micro_batch", "train.val_every", "train.ckpt_every", "trainable.rank", "task.size",
              "train.val_samples", "levers.damping_window", "grpo.length_grid")
 
 

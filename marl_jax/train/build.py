@@ -97,6 +97,7 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
         mesh = sharding.make_mesh(config.mesh.data, config.mesh.model, fsdp=config.mesh.fsdp)
     # Each weight goes straight into its sharding as it is read (no host copy of the whole model).
     model = model or load_model(config.model.name, mesh=mesh, rules=rules)
+    model = model._replace(cfg=dataclasses.replace(model.cfg, attention=config.model.get("attention", "auto")))
     base = sharding.shard_params(model.params, mesh, rules) if mesh is not None else jax.device_put(model.params)
     opts = {k: v for k, v in dict(config.workflow_options).items()}
     workflow = make_workflow(config.workflow, **opts)
@@ -108,7 +109,8 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
                       spec=spec, mesh=mesh, rules=rules, paged=bool(config.rollout.paged_kv),
                       kv_block=int(config.rollout.kv_block),
                       compaction_buckets=int(config.rollout.compaction_buckets),
-                      compaction_patience=int(config.rollout.compaction_patience))
+                      compaction_patience=int(config.rollout.compaction_patience),
+                      prefill_chunk=int(config.rollout.prefill_chunk))
     all_tasks = tasks if tasks is not None else load_tasks(config.task)
     train, val = split(list(all_tasks), config.task.val_size)
     return Runtime(config, model, base, mesh, rules, workflow, roles, mapping, spec, sampler, train, val,
