@@ -134,7 +134,7 @@ def test_unexpressible_layouts_fall_back_and_say_so(caplog):
 def test_auto_choice_and_bad_name():
     assert A.choose("auto", 1, 100_000, "cpu") == "dense"  # single-token decode
     assert A.choose("auto", 512, 512, "cpu") == "dense"  # short rows
-    assert A.choose("auto", 4096, 4096, "cpu") == "blockwise"
+    assert A.choose("auto", 1024, 1024, "cpu") == "blockwise"
     assert A.choose("auto", 4096, 4096, "tpu") == "splash"
     assert A.choose("auto", 4096, 4096, "gpu") == "cudnn"
     assert A.choose("blockwise", 1, 8) == "blockwise"

@@ -392,9 +392,10 @@ def _once(msg: str):
         log.warning(msg)
 
 
-# Dense while a row's float32 scores stay under this many elements per head (S x T); measured on CPU
-# (benchmarks/attention.py) dense is faster below it and blockwise saves memory above.
-DENSE_MAX_SCORES = 1024 * 1024
+# Dense while a row's scores stay under this many elements per head (S x T). On CPU
+# (benchmarks/attention.py, forward + backward, one layer) the two tie at 512 tokens and blockwise is
+# 1.7x faster at 1024 (2.3x on packed rows, whose other segments' blocks it skips).
+DENSE_MAX_SCORES = 512 * 512
 
 
 def choose(impl: str, S: int, T: int, backend: str | None = None) -> str:

@@ -126,7 +126,7 @@ def _check_json(meta: Mapping[str, Any]) -> dict:
 # Config keys a resumed run may change freely: how long it runs and what it logs, never what it learns, and
 # the keys that lay out the same computation another way (speed and memory only; tests check that each gives
 # the same completions or the same step).
-LAYOUT_KEYS = ("grpo.packing", "grpo.share_prefix", "grpo.remat", "grpo.remat_budget_gb", "grpo.unroll",
+LAYOUT_KEYS = ("model.attention", "grpo.packing", "grpo.share_prefix", "grpo.remat", "grpo.remat_budget_gb", "grpo.unroll",
                "grpo.length_grid", "rollout.max_batch", "rollout.paged_kv", "rollout.kv_block", "rollout.compaction_buckets",
                "rollout.compaction_patience")
 RESUMABLE_KEYS = ("train.steps", "train.val_every", "train.ckpt_every", "train.keep_ckpts", "train.tensorboard",
