@@ -1,6 +1,6 @@
 """Bad inputs get one clear error naming the fix (never a traceback from deep inside), and lose no work.
 
-One test per row of the README's "Bad inputs" table: task files (a malformed line, a missing key, an
+One test per row of the "Bad inputs" table in docs/bad-inputs.md: task files (a malformed line, a missing key, an
 empty answer, non-UTF-8 bytes), a prompt longer than the model's context, a model folder without
 tokenizer files, a checkpoint of another model shape, a resumed run under a changed config, a mesh the
 devices cannot form, and a disk that fills while a checkpoint is written.
