@@ -196,3 +196,35 @@ def test_update_item_memory_grows_linearly_with_blockwise_quadratically_with_den
     dense = _update_item_temp(cfg, large, "dense") / _update_item_temp(cfg, small, "dense")
     assert blk <= 4.5, blk
     assert dense >= 10, dense
+
+
+_MESH_SCRIPT = r'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from marl_jax.models import attention as A, sharding
+mesh = sharding.make_mesh(data=2, model=2)
+ks = jax.random.split(jax.random.PRNGKey(0), 3)
+q = jax.random.normal(ks[0], (2, 256, 4, 64))
+k, v = (jax.random.normal(x, (2, 256, 2, 64)) for x in ks[1:])
+seg = np.zeros((2, 256), np.int32); seg[0, :100] = 1; seg[0, 100:200] = 2; seg[1, :250] = 1
+lay = A.packed(jnp.asarray(seg)); seen = lay.mask().any(-1)[..., None]
+loss = lambda impl, m: lambda q, k, v: (A.attention(q, k, v, lay, impl, interpret=True, mesh=m) * seen).sum()
+out = jax.jit(lambda q, k, v: A.attention(q, k, v, lay, "splash", interpret=True, mesh=mesh))(q, k, v)
+diff = [float(jnp.abs((out - A.attention(q, k, v, lay, "dense")) * seen).max())]
+g = jax.jit(jax.grad(loss("splash", mesh), argnums=(0, 1, 2)))(q, k, v)
+diff += [float(jnp.abs(a - b).max()) for a, b in zip(g, jax.grad(loss("dense", None), argnums=(0, 1, 2))(q, k, v))]
+print("DIFF", max(diff))
+'''
+
+
+def test_splash_under_a_mesh_equals_dense():
+    """Rows over "data", KV heads over "model": splash inside shard_map on 4 CPU devices (interpreted)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    diff = float(run.stdout.split("DIFF")[-1])
+    assert diff < 2e-5, diff
