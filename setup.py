@@ -38,6 +38,14 @@ TEST_REQUIRES = [
     "ipykernel>=6.29",
 ]
 
+# benchmarks/peers.py: the same GRPO steps in TRL's GRPOTrainer. trl pinned to a release that runs with the
+# installed transformers 5.x; torch pinned to the CPU wheel as above.
+PEERS_REQUIRES = [
+    "trl==1.16.0",
+    "torch==2.13.0",
+    "peft>=0.13",  # TRL's LoRA
+]
+
 setup(
     name="marl_jax",
     version="0.1.0",
@@ -49,5 +57,5 @@ setup(
                                "workflows/prompts/*/*.json"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES},
+    extras_require={"test": TEST_REQUIRES, "peers": PEERS_REQUIRES},
 )
