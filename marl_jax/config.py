@@ -27,6 +27,10 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
     c.policy = "shared"  # "shared" (SP) | "isolated" (IP)
 
     c.model = ml_collections.ConfigDict(dict(name="smollm2-135m-instruct", dtype="float32"))
+    # auto | float32 | bfloat16: how the frozen base weights are held (dtype above is the compute dtype; each
+    # weight is cast to it at use). auto keeps a bfloat16 checkpoint in bfloat16 (lossless, half the bytes) and
+    # anything else (float32, dequantized GGUF) in float32; what is trained is float32 whatever this says
+    c.model.param_dtype = "auto"
     # auto | dense | blockwise | splash | cudnn: how attention is computed (marl_jax.models.attention; auto picks
     # per backend and length); every choice computes the same values
     c.model.attention = "auto"
@@ -160,6 +164,7 @@ _CHOICES = {
     "workflow": ("single_agent", "eval_opt", "voting", "orch_workers"),
     "policy": ("shared", "isolated"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "dense", "blockwise", "splash", "cudnn"),
     "trainable.mode": ("lora", "full"),
     "task.kind": ("math", "code"),
