@@ -41,6 +41,9 @@ import numpy as np
 from flax import struct
 
 IMPLS = ("auto", "dense", "blockwise", "splash", "cudnn")
+# Blockwise tile: on CPU (forward + backward, 9 / 3 heads of 64) 128 beats 256 and 512 by 1.2-3.5x, at
+# 1024 packed tokens (more blocks of other segments skipped) and at 4096 causal tokens alike.
+BLOCK = 128
 _NEG = -1e30  # masked score: finite, so fully masked rows stay NaN-free
 log = logging.getLogger(__name__)
 
@@ -319,7 +322,7 @@ def _flash_bwd(bq, bk, res, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def blockwise(q, k, v, layout: Layout, block_q: int = 512, block_kv: int = 512):
+def blockwise(q, k, v, layout: Layout, block_q: int = BLOCK, block_kv: int = BLOCK):
     """FlashAttention over blocks of block_q queries and block_kv keys (shrunk to the row length)."""
     B, S, Hq, hd = q.shape
     bq = min(block_q, S)
@@ -415,7 +418,7 @@ def choose(impl: str, S: int, T: int, backend: str | None = None) -> str:
 
 
 def attention(q, k, v, layout: Layout, impl: str = "auto", *, kv_layout: str = "bthd", mesh=None,
-              block_q: int = 512, block_kv: int = 512, interpret: bool = False):
+              block_q: int = BLOCK, block_kv: int = BLOCK, interpret: bool = False):
     """Grouped-query attention of q [B, S, Hq, hd] over k, v ([B, T, Hkv, hd], or the cache layout with
     kv_layout="cache"). Returns [B, S, Hq * hd]."""
     T = k.shape[3] if kv_layout == "cache" else k.shape[1]
