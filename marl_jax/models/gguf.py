@@ -299,7 +299,8 @@ def read_gguf(path: str | os.PathLike, lazy: bool = False) -> tuple[dict, Mappin
 
     if lazy:
         from marl_jax.models.hf import LazyTensors
-        return config, LazyTensors({gguf_to_hf_name(t.name): (lambda t=t: load(t)) for t in tensors})
+        return config, LazyTensors({gguf_to_hf_name(t.name): (lambda t=t: load(t)) for t in tensors},
+                                   {gguf_to_hf_name(t.name): np.float32 for t in tensors})  # dequantized
     return config, {gguf_to_hf_name(t.name): load(t) for t in tensors}
 
 

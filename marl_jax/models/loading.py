@@ -35,7 +35,9 @@ def resolve(spec: str) -> tuple[str, pathlib.Path]:
 
 def load_model(spec: str, dtype=np.float32, mesh=None, rules=None) -> LoadedModel:
     """With a mesh, params come back as jax arrays already in their shardings (marl_jax.models.sharding),
-    read and placed one leaf at a time; without, as a numpy pytree."""
+    read and placed one leaf at a time; without, as a numpy pytree. `dtype`: how the params are held, a
+    numpy dtype or one of hf.PARAM_DTYPES ("auto": a bfloat16 checkpoint stays bfloat16; GGUF tensors are
+    dequantized to float32, so a GGUF model stays float32)."""
     kind, path = resolve(spec)
     if kind == "gguf":
         from marl_jax.models.gguf import read_gguf
@@ -49,3 +51,14 @@ def load_model(spec: str, dtype=np.float32, mesh=None, rules=None) -> LoadedMode
         tok = Tokenizer.from_hf_dir(path)  # first: a folder without tokenizer files fails before the weights load
         cfg, params = hf.load_hf_dir(path, dtype, mesh=mesh, rules=rules)
     return LoadedModel(cfg, params, tok, str(path))
+
+
+def with_param_dtype(model: LoadedModel, dtype) -> LoadedModel:
+    """`model` with its params held in `dtype` (as load_model's; "auto" leaves them as they are): for a
+    model loaded elsewhere and handed in, so that an explicit model.param_dtype holds for it too."""
+    if isinstance(dtype, str) and dtype == "auto":
+        return model
+    import jax
+
+    dt = hf.resolve_param_dtype(dtype)
+    return model._replace(params=jax.tree_util.tree_map(lambda x: x if x.dtype == dt else x.astype(dt), model.params))
