@@ -62,7 +62,10 @@ def init_trainable(spec: PolicySpec, cfg: ModelConfig, base: Any, key: jax.Array
     """Slot-stacked trainable pytree; every slot starts identical (and equal to the base model)."""
     S = spec.num_slots
     if spec.mode == "full":
-        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(jnp.asarray(x), (S,) + x.shape).copy(), base)
+        # Trained weights are float32 (a bfloat16 base would round every small update away): the copies are
+        # upcast, and so are their gradients and optimizer moments.
+        return jax.tree_util.tree_map(
+            lambda x: jnp.broadcast_to(jnp.asarray(x, _trained_dtype(x.dtype)), (S,) + x.shape).copy(), base)
     out = {}
     L = cfg.num_layers
     for i, name in enumerate(spec.target_names):
@@ -72,6 +75,11 @@ def init_trainable(spec: PolicySpec, cfg: ModelConfig, base: Any, key: jax.Array
                                -1.0 / fan_in ** 0.5, 1.0 / fan_in ** 0.5)
         out[name] = {"a": jnp.broadcast_to(a, (S,) + a.shape), "b": jnp.zeros((S, L, spec.rank, fan_out), jnp.float32)}
     return out
+
+
+def _trained_dtype(dtype):
+    """float32 for a bfloat16 / float16 / float32 base (float64 stays float64: parity checks under x64)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def slot_params(spec: PolicySpec, base: Any, trainable: Any, slot) -> tuple[Any, Any]:
@@ -88,14 +96,17 @@ def unstacked(spec: PolicySpec, base: Any, one_slot: Any) -> tuple[Any, Any]:
 
 
 def merge_lora(spec: PolicySpec, base: Any, trainable: Any, slot: int) -> Any:
-    """Base params with one slot's adapters folded in (for export / serving)."""
+    """Base params with one slot's adapters folded in (for export / serving). Folded matrices are float32
+    even over a bfloat16 base: W + (alpha / r) A B is the weight the policy computes with, and bfloat16
+    would round small adapters away; untouched leaves keep the base's dtype."""
     params, lora = slot_params(spec, base, trainable, slot)
     if lora is None:
         return jax.tree_util.tree_map(lambda x: x, params)
     layers = dict(params["layers"])
     for name, ab in lora.items():
         delta = jnp.einsum("lir,lro->lio", ab["a"], ab["b"]) * spec.scale
-        layers[name] = (layers[name] + delta).astype(layers[name].dtype)
+        w = jnp.asarray(layers[name])
+        layers[name] = w.astype(_trained_dtype(w.dtype)) + delta.astype(_trained_dtype(w.dtype))
     return {**params, "layers": layers}
 
 

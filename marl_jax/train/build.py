@@ -12,7 +12,7 @@ import numpy as np
 from marl_jax.config import validate
 from marl_jax.generate.sampler import Sampler
 from marl_jax.models import sharding
-from marl_jax.models.loading import LoadedModel, load_model
+from marl_jax.models.loading import LoadedModel, load_model, with_param_dtype
 from marl_jax.policy.lora import PolicySpec, init_trainable, parse_targets
 from marl_jax.policy.slots import role_to_slot
 from marl_jax.tasks.base import Task
@@ -95,8 +95,11 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
     mesh = None
     if len(jax.devices()) > 1:
         mesh = sharding.make_mesh(config.mesh.data, config.mesh.model, fsdp=config.mesh.fsdp)
-    # Each weight goes straight into its sharding as it is read (no host copy of the whole model).
-    model = model or load_model(config.model.name, mesh=mesh, rules=rules)
+    # Each weight goes straight into its sharding as it is read (no host copy of the whole model), held in
+    # model.param_dtype (the frozen base only: what is trained is float32, see policy.lora.init_trainable).
+    param_dtype = config.model.get("param_dtype", "auto")
+    model = (with_param_dtype(model, param_dtype) if model is not None
+             else load_model(config.model.name, dtype=param_dtype, mesh=mesh, rules=rules))
     model = model._replace(cfg=dataclasses.replace(model.cfg, attention=config.model.get("attention", "auto")))
     base = sharding.shard_params(model.params, mesh, rules) if mesh is not None else jax.device_put(model.params)
     opts = {k: v for k, v in dict(config.workflow_options).items()}
