@@ -138,6 +138,13 @@ def test_auto_choice_and_bad_name():
     assert A.choose("auto", 4096, 4096, "tpu") == "splash"
     assert A.choose("auto", 4096, 4096, "gpu") == "cudnn"
     assert A.choose("blockwise", 1, 8) == "blockwise"
+    # auto takes a kernel only where it expresses the layout (no fallback warnings from auto)
+    lays = _layouts(2, 1024)
+    assert A.choose("auto", 1024, 1024, "tpu", lays["shared_prefix"]) == "blockwise"
+    assert A.choose("auto", 1024, 1024, "tpu", lays["packed"]) == "splash"
+    assert A.choose("auto", 1024, 1024, "gpu", lays["causal_right"], jnp.float32) == "blockwise"
+    assert A.choose("auto", 1024, 1024, "gpu", lays["causal_right"], jnp.bfloat16) == "cudnn"
+    assert A.choose("auto", 1024, 1024, "gpu", lays["packed"], jnp.bfloat16) == "blockwise"
     with pytest.raises(ValueError, match="model.attention must be one of"):
         A.choose("flash", 8, 8)
 

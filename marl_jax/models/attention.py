@@ -337,7 +337,7 @@ def splash(q, k, v, layout: Layout, *, interpret: bool = False, block: int = 512
     Layouts it cannot express fall back to blockwise."""
     B, S, Hq, hd = q.shape
     T, Hkv = k.shape[1], k.shape[2]
-    if layout.kind not in ("causal", "packed") or S != T or T % 128:
+    if not _splash_can(layout, S, T):
         _once(f"splash attention cannot express a {layout.kind!r} layout at {S}x{T} tokens "
               "(needs query = key rows, a multiple of 128 tokens, no parent segments): blockwise instead")
         return blockwise(q, k, v, layout)
@@ -375,7 +375,7 @@ def splash(q, k, v, layout: Layout, *, interpret: bool = False, block: int = 512
 def cudnn(q, k, v, layout: Layout):
     """cuDNN's fused attention for right-padded causal rows (sequence lengths, never a mask)."""
     B, S, Hq, hd = q.shape
-    if layout.kind != "causal" or not layout.right_padded or q.dtype not in (jnp.bfloat16, jnp.float16):
+    if not _cudnn_can(layout, q.dtype):
         _once(f"cuDNN attention needs right-padded causal rows in bfloat16/float16 (got a {layout.kind!r} "
               f"layout, right_padded={layout.right_padded}, {q.dtype}): blockwise instead")
         return blockwise(q, k, v, layout)
@@ -401,8 +401,20 @@ def _once(msg: str):
 DENSE_MAX_SCORES = 512 * 512
 
 
-def choose(impl: str, S: int, T: int, backend: str | None = None) -> str:
-    """The implementation `impl` runs as: "auto" picks by backend and size; others are returned as given."""
+def _splash_can(layout: Layout, S: int, T: int) -> bool:
+    return layout.kind in ("causal", "packed") and S == T and T % 128 == 0
+
+
+def _cudnn_can(layout: Layout, dtype) -> bool:
+    return layout.kind == "causal" and layout.right_padded and dtype in (jnp.bfloat16, jnp.float16)
+
+
+def choose(impl: str, S: int, T: int, backend: str | None = None, layout: Layout | None = None,
+           dtype=jnp.bfloat16) -> str:
+    """The implementation `impl` runs as. "auto": dense for decode and small scores; above that the
+    backend's kernel where it can express the layout (splash on TPU, cuDNN on GPU), blockwise otherwise.
+    Other names are returned as given (an explicit kernel that cannot express a layout falls back itself,
+    and says so)."""
     if impl not in IMPLS:
         raise ValueError(f"model.attention must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
@@ -410,9 +422,9 @@ def choose(impl: str, S: int, T: int, backend: str | None = None) -> str:
     if S == 1 or S * T <= DENSE_MAX_SCORES:
         return "dense"
     backend = backend or jax.default_backend()
-    if backend == "tpu":
+    if backend == "tpu" and (layout is None or _splash_can(layout, S, T)):
         return "splash"
-    if backend in ("gpu", "cuda", "rocm"):
+    if backend in ("gpu", "cuda", "rocm") and (layout is None or _cudnn_can(layout, dtype)):
         return "cudnn"
     return "blockwise"
 
@@ -422,7 +434,7 @@ def attention(q, k, v, layout: Layout, impl: str = "auto", *, kv_layout: str = "
     """Grouped-query attention of q [B, S, Hq, hd] over k, v ([B, T, Hkv, hd], or the cache layout with
     kv_layout="cache"). Returns [B, S, Hq * hd]."""
     T = k.shape[3] if kv_layout == "cache" else k.shape[1]
-    name = choose(impl, q.shape[1], T)
+    name = choose(impl, q.shape[1], T, layout=layout, dtype=q.dtype)
     if name == "dense":
         return dense(q, k, v, layout, kv_layout)
     if kv_layout == "cache":  # the kernels read [B, T, Hkv, hd]
