@@ -465,7 +465,7 @@ class Decoder(_Sharded):
 
     @nn.compact
     def _run(self, tokens=None, valid=None, hidden=None, *, logits=True, cache=None, positions=None,
-             write_index=None, new_valid=None, last_only=False, window=None, segments=None):
+             write_index=None, new_valid=None, last_only=False, window=None, segments=None, right_padded=False):
         cfg = self.cfg
         embed = self._top("embed", (cfg.vocab_size, cfg.hidden_size))
         final_norm = self._top("final_norm", (cfg.hidden_size,), nn.initializers.ones)
@@ -485,7 +485,7 @@ class Decoder(_Sharded):
                 if valid is None:
                     valid = jnp.ones((B, T), bool)
                 positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-                hidden = self._layers(x, positions, attn.causal(valid))
+                hidden = self._layers(x, positions, attn.causal(valid, right_padded))
             else:
                 S, T = tokens.shape[1], cache.valid.shape[1]
                 W = T if window is None else window
@@ -516,11 +516,11 @@ class Decoder(_Sharded):
         out = self.constrain(jnp.matmul(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype)), ACT_LOGITS)
         return out if new_cache is None else (out, new_cache)
 
-    def __call__(self, tokens, valid=None, segments=None):
-        return self._run(tokens, valid, segments=segments)
+    def __call__(self, tokens, valid=None, segments=None, right_padded=False):
+        return self._run(tokens, valid, segments=segments, right_padded=right_padded)
 
-    def hidden(self, tokens, valid=None, segments=None):
-        return self._run(tokens, valid, logits=False, segments=segments)
+    def hidden(self, tokens, valid=None, segments=None, right_padded=False):
+        return self._run(tokens, valid, logits=False, segments=segments, right_padded=right_padded)
 
     def unembed(self, x):
         return self._run(hidden=x)
@@ -548,7 +548,7 @@ def _module(cfg, dtype=jnp.float32, lora_scale=1.0, remat="none", mesh=None, rul
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Array | None = None, *,
             lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
             return_hidden: bool = False, remat: str = "none", mesh=None, rules=(),
-            segments: jax.Array | None = None, unroll: bool = False) -> jax.Array:
+            segments: jax.Array | None = None, unroll: bool = False, right_padded: bool = False) -> jax.Array:
     """Teacher-forced forward pass over full sequences (training, scoring, parity).
 
     tokens [B, T]; valid [B, T] marks real tokens (left or right padding both work: positions count
@@ -560,9 +560,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, valid: jax.Arra
     segment and attention stays within a segment (see segment_layout), so each row's outputs are
     those of the row run alone. A tuple (segments, parents, positions) lays rows that share a prefix
     over one copy of it (see shared_prefix_layout).
+
+    right_padded: the caller promises each row's valid tokens are a prefix of it (what cuDNN's fused
+    attention can express on GPU; marl_jax.models.attention).
     """
     m = _module(cfg, dtype, lora_scale, remat, mesh, rules, unroll)
-    return m.apply(variables(params, lora), tokens, valid, segments,
+    return m.apply(variables(params, lora), tokens, valid, segments, right_padded,
                    method=Decoder.hidden if return_hidden else Decoder.__call__)
 
 
