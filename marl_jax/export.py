@@ -7,10 +7,12 @@
 The run's config.json names the model, workflow, policy and LoRA settings; the checkpoint (latest, best
 or a step number) gives the slot-stacked trainable parameters. Written under --out:
 
-  <name>/          config.json, model.safetensors (float32, LoRA folded into the weights), tokenizer.json,
+  <name>/          config.json, model.safetensors (float32, LoRA folded into the weights: exactly the
+                   weights the policy computed with, also over a bfloat16 base), tokenizer.json,
                    tokenizer_config.json, chat_template.jinja, generation_config.json: loads in
                    transformers, vLLM and anything else that reads a Hugging Face folder.
-  base/            (--adapter) the frozen base model in the same format
+  base/            (--adapter) the frozen base model in the same format, in the dtype it was held in
+                   (model.param_dtype: a bfloat16 checkpoint stays bfloat16, the same values)
   <name>-adapter/  (--adapter) adapter_config.json + adapter_model.safetensors in PEFT's LoRA format:
                    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("base"), "<name>-adapter")
   roles.json       which folder serves which role, the step, the policy
@@ -115,11 +117,12 @@ def write_peft_adapter(path: str | os.PathLike, spec: PolicySpec, lora_one_slot:
     return path
 
 
-def write_model_folder(path: str | os.PathLike, cfg, params: Any, tokenizer) -> pathlib.Path:
-    """save_hf_dir plus what servers read besides: the chat template as a file and the stop tokens."""
+def write_model_folder(path: str | os.PathLike, cfg, params: Any, tokenizer, dtype=np.float32) -> pathlib.Path:
+    """save_hf_dir (tensors in `dtype`) plus what servers read besides: the chat template as a file and the
+    stop tokens."""
     from marl_jax.models.hf import save_hf_dir
 
-    path = save_hf_dir(path, cfg, params, tokenizer=tokenizer)
+    path = save_hf_dir(path, cfg, params, tokenizer=tokenizer, dtype=dtype)
     if tokenizer.chat_template:
         (path / "chat_template.jinja").write_text(tokenizer.chat_template, encoding="utf-8")
     gen = {"eos_token_id": list(tokenizer.eos_token_ids), "pad_token_id": tokenizer.pad_id}
@@ -134,6 +137,7 @@ def export_run(workdir: str, out: str, *, step: str = "latest", role: str | None
     """Write the folders described in the module docstring; returns what roles.json holds."""
     import jax
 
+    from marl_jax.models.hf import tree_dtype
     from marl_jax.models.loading import load_model
     from marl_jax.policy.lora import init_trainable, merge_lora
     from marl_jax.rollout import load_trainable
@@ -144,7 +148,8 @@ def export_run(workdir: str, out: str, *, step: str = "latest", role: str | None
     if role is not None and role not in mapping:
         raise ValueError(f"--role={role!r} is not a role of the {config.workflow} workflow; "
                          f"its roles are {list(roles)} (or pass --all)")
-    loaded = load_model(model or config.model.name)
+    # The base as the run held it (trained weights are float32 either way; merging is done in float32).
+    loaded = load_model(model or config.model.name, dtype=config.model.get("param_dtype", "auto"))
     template = jax.eval_shape(lambda: init_trainable(spec, loaded.cfg, loaded.params, jax.random.PRNGKey(0)))
     template = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), template)
     trainable, n = load_trainable(workdir, str(step), template)
@@ -162,7 +167,8 @@ def export_run(workdir: str, out: str, *, step: str = "latest", role: str | None
                          "export it without --adapter")
     base_dir = None
     if adapter:
-        base_dir = write_model_folder(out_dir / "base", loaded.cfg, loaded.params, loaded.tokenizer)
+        base_dir = write_model_folder(out_dir / "base", loaded.cfg, loaded.params, loaded.tokenizer,
+                                      dtype=tree_dtype(loaded.params))
     for name, slot in slots.items():
         merged = jax.tree_util.tree_map(np.asarray, merge_lora(spec, loaded.params, trainable, slot))
         write_model_folder(out_dir / name, loaded.cfg, merged, loaded.tokenizer)
