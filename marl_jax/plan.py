@@ -12,8 +12,9 @@ and update time of one training step.
 
 What is counted is what the code allocates (the memory model is checked against XLA's own memory
 analysis in tests/test_plan.py):
-  - base weights stay in the dtype the loader returns (float32) and are cast to config.model.dtype
-    inside each matmul; the KV cache and activations are in config.model.dtype;
+  - base weights are held in config.model.param_dtype (auto: bfloat16 for a bfloat16 checkpoint such as
+    the Qwen3 presets, float32 otherwise; see param_dtype) and are cast to config.model.dtype inside each
+    matmul; the KV cache and activations are in config.model.dtype;
   - trainable weights, gradients and AdamW's two moments are float32, one set per policy slot;
     with per-role diagnostics the update also holds one gradient accumulator per diagnostic group;
   - the mesh is (data, fsdp, model): weights are split over fsdp and model where the dimension
@@ -24,6 +25,7 @@ Sequence lengths are worst cases: every row runs to its max_new_tokens, and a st
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -102,6 +104,38 @@ PRESET_MODELS = {
                                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
                                          rope_theta=1e5, tie_word_embeddings=True),
 }
+
+
+# Stored dtype of each preset's checkpoint: the public Qwen3 safetensors are bfloat16, the embedded model is
+# a GGUF the loader dequantizes to float32.
+PRESET_STORAGE = {"Qwen/Qwen3-0.6B": "bfloat16", "Qwen/Qwen3-1.7B": "bfloat16", "Qwen/Qwen3-4B": "bfloat16",
+                  "smollm2-135m-instruct": "float32"}
+
+
+@functools.lru_cache(maxsize=None)
+def _stored_dtype(name: str) -> str:
+    """What model.param_dtype=auto holds a model in: a preset's, or a local folder's from its safetensors
+    headers (config.json's torch_dtype when it has no weights); float32 for anything else."""
+    if name in PRESET_STORAGE:
+        return PRESET_STORAGE[name]
+    from marl_jax.models import hf
+    folder = os.path.expanduser(name)
+    try:
+        return hf.resolve_param_dtype("auto", hf.storage_dtypes(folder).values()).name
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        pass
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            meta = json.load(f)
+        return "bfloat16" if (meta.get("torch_dtype") or meta.get("dtype")) == "bfloat16" else "float32"
+    except (OSError, ValueError):
+        return "float32"
+
+
+def param_dtype(config) -> str:
+    """The dtype the loader holds the base weights in: model.param_dtype, auto resolved as the loader does."""
+    want = config.model.get("param_dtype", "auto")
+    return _stored_dtype(config.model.name) if want == "auto" else want
 
 
 def model_config(name: str) -> ModelConfig:
@@ -261,7 +295,7 @@ class Knobs:
 def static_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh) -> dict[str, float]:
     """Weights, trainable weights, gradients and optimizer state per device."""
     from marl_jax.policy.lora import parse_targets
-    base = sharded_param_count(cfg, mesh) * 4  # the loader's float32
+    base = sharded_param_count(cfg, mesh) * _bytes(param_dtype(config))  # as the loader holds them
     if config.trainable.mode == "lora":
         from marl_jax.policy.lora import _ALIASES
         targets = [_ALIASES.get(t, t) for t in parse_targets(config.trainable.targets)]
@@ -407,9 +441,9 @@ def roofline(cfg: ModelConfig, config, w: Workload, knobs: Knobs, chip: Chip) ->
         chunks = math.ceil(st.rows / knobs.max_batch)
         B = min(st.rows, knobs.max_batch)
         P, Tn = length_bucket(st.prompt), length_bucket(st.new)
-        # Every decode step reads the weights each device holds after the fsdp gather (float32, cast in
-        # the matmul) and the live cache (prompt + half the new tokens on average), rows split over data * fsdp.
-        per_step = N * 4 / m.model + B / m.rows * (P + Tn / 2) * kv_tok / _div(cfg.num_kv_heads, m.model)
+        # Every decode step reads the weights each device holds after the fsdp gather (in param_dtype, cast
+        # in the matmul) and the live cache (prompt + half the new tokens on average), rows split over data * fsdp.
+        per_step = N * _bytes(param_dtype(config)) / m.model + B / m.rows * (P + Tn / 2) * kv_tok / _div(cfg.num_kv_heads, m.model)
         flops = 2 * B / n * cfg.flops_per_token(P + Tn // 2) / 2
         decode += chunks * Tn * max(per_step / chip.hbm_bw, flops / chip.bf16_flops)
         prefill += st.distinct * st.prompt * cfg.flops_per_token(st.prompt // 2) / (n * chip.bf16_flops)
@@ -495,6 +529,7 @@ def plan(config, chip_spec: str, prompt_tokens: int = 512) -> dict[str, Any]:
         "chip": chip_spec, "chip_name": chip.name, "devices": n, "hosts": math.ceil(n / chip.per_host),
         "hbm_per_device": chip.hbm, "usable_per_device": limit,
         "model": config.model.name, "params": cfg.num_params(), "dtype": config.model.dtype,
+        "param_dtype": param_dtype(config),
         "workflow": config.workflow, "policy": config.policy, "slots": w.num_slots,
         "trainable": config.trainable.mode + (f" r{config.trainable.rank}" if config.trainable.mode == "lora" else ""),
         "stages": [dataclasses.asdict(s) for s in w.stages], "seq_len": w.seq_len, "window": w.window,
@@ -518,7 +553,8 @@ def _gb(x: float) -> str:
 def format_plan(p: dict[str, Any]) -> str:
     m = p["memory"]
     lines = [
-        f"{p['workflow']} / {p['policy']} on {p['model']} ({p['params'] / 1e9:.2f}B params, {p['dtype']}, "
+        f"{p['workflow']} / {p['policy']} on {p['model']} ({p['params'] / 1e9:.2f}B params, {p['dtype']} compute, "
+        f"{p.get('param_dtype', 'float32')} base weights, "
         f"{p['trainable']}, {p['slots']} slot(s))",
         f"chip {p['chip']}: {p['devices']} x {p['chip_name']} on {p['hosts']} host(s), "
         f"{p['hbm_per_device'] / GiB:.1f} GiB HBM each (plan to {p['usable_per_device'] / GiB:.1f} GiB)",
