@@ -138,6 +138,7 @@ def test_auto_choice_and_bad_name():
     assert A.choose("auto", 4096, 4096, "tpu") == "splash"
     assert A.choose("auto", 4096, 4096, "gpu") == "cudnn"
     assert A.choose("blockwise", 1, 8) == "blockwise"
+    assert A.choose("splash", 1, 4096, "tpu") == A.choose("cudnn", 1, 4096, "gpu") == "dense"  # decode
     # auto takes a kernel only where it expresses the layout (no fallback warnings from auto)
     lays = _layouts(2, 1024)
     assert A.choose("auto", 1024, 1024, "tpu", lays["shared_prefix"]) == "blockwise"

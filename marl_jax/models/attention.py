@@ -417,6 +417,8 @@ def choose(impl: str, S: int, T: int, backend: str | None = None, layout: Layout
     and says so)."""
     if impl not in IMPLS:
         raise ValueError(f"model.attention must be one of {IMPLS}, got {impl!r}")
+    if impl in ("splash", "cudnn") and S == 1:  # decode: one query per row, nothing for a kernel to tile
+        return "dense"
     if impl != "auto":
         return impl
     if S == 1 or S * T <= DENSE_MAX_SCORES:
