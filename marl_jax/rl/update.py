@@ -1,8 +1,9 @@
 """The jitted GRPO update: per-slot losses, one (slot, micro-batch) item at a time, exact per-group gradients.
 
 One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
-  1. runs work items, one per (slot, micro-batch); in each, a forward pass on that slot's
-     parameters gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
+  1. runs work items, one per (slot, micro-batch): micro_batch rows, or as many as a token budget holds
+     (max_tokens_per_micro_batch), laid out on the host by marl_jax.rl.layout. In each, a forward pass on
+     that slot's parameters gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
      denominator) its gradient. Items holding padding only are skipped, and each item runs over a
      token window just long enough for its longest row (one of `length_ladder(T)`, chosen per item),
      so short micro-batches do not pay for the batch's longest row. The loss is a sum of
@@ -42,8 +43,12 @@ import optax
 from marl_jax.models import decoder, sharding
 from marl_jax.models.decoder import ModelConfig
 from marl_jax.policy.lora import PolicySpec, unstacked
+from marl_jax.rl import layout
 from marl_jax.rl import loss as L
 from marl_jax.rl.batch import TrainBatch
+# The host-side layout (marl_jax.rl.layout), importable from here as well.
+from marl_jax.rl.layout import (item_positions, item_windows, length_ladder, pack_batch, pack_rows,  # noqa: F401
+                                pack_shapes, pack_units, share_units)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +85,11 @@ class UpdateConfig:
     # (compiled again whenever the batch's rows, length or packed shapes change: nearly every RL step).
     # Both compute the same values.
     program: str = "auto"
+    # Token-budget micro-batches (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu): each micro-batch holds
+    # as many rows of one slot (and diagnostic group) as this many computed positions allow (rows x window,
+    # or packed sequences x window), not micro_batch rows: one long row alone, many short rows together.
+    # Row counts and windows sit on the length grid (layout.budget_items). 0: off, micro_batch rows each.
+    max_tokens_per_micro_batch: int = 0
 
     def __post_init__(self):
         if self.old_logp not in ("sampler", "recompute"):
@@ -104,6 +114,12 @@ class UpdateConfig:
             raise ValueError(f"program must be 'auto', 'items' or 'fused', got {self.program!r}")
         if self.head_chunk < 0:
             raise ValueError(f"head_chunk must be >= 0 (0 = automatic), got {self.head_chunk}")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError("max_tokens_per_micro_batch must be >= 0 (0 = off: micro_batch rows per "
+                             f"micro-batch), got {self.max_tokens_per_micro_batch}")
+        if self.max_tokens_per_micro_batch and self.program == "fused":
+            raise ValueError("max_tokens_per_micro_batch needs program='items' or 'auto': the fused program scans "
+                             "micro-batches of one row count")
 
 
 REMAT_MODES = ("none", "dots", "full", "auto")
@@ -125,166 +141,22 @@ def remat_for(cfg: ModelConfig, rows: int, t: int, W: int, budget_bytes: float, 
     return "full"
 
 
-def length_ladder(T: int, n: int, grid: int = 2) -> tuple[int, ...]:
-    """The token windows an update over rows padded to T compiles: from T/n up to T, the lengths
-    2^k (1 + i / grid) from 8 up, `grid` sizes per octave (2: 8, 12, 16, 24, 32, 48, ..., the grid batches
-    are padded to), and T. Each micro-batch runs over the shortest that holds its longest
-    row. One grid for every T: batches padded to other lengths share their items' programs. A finer grid
-    computes fewer padding positions and compiles more item programs over a run (one per window used)."""
-    if n <= 1:
-        return (T,)
-    out, b = {T}, 8
-    while b < T:
-        out |= {g for g in (b * (grid + i) // grid for i in range(grid)) if T / n <= g < T}
-        b *= 2
-    return tuple(sorted(out))
-
-
-def item_windows(length, micro_batch: int, T: int, n: int, grid: int = 2):
-    """Host-side: the token window each (slot, micro-batch) item of a batch runs over, as the update
-    chooses it ([S, M]; 0 for items of padding only, which are skipped). length: the batch's [S, R]
-    row lengths; T: its padded length; n: UpdateConfig.length_buckets."""
-    import numpy as np
-    length = np.asarray(length)
-    S, R = length.shape
-    mb = min(micro_batch, R)
-    longest = length.reshape(S, R // mb, mb).max(-1)
-    ladder = np.asarray(length_ladder(T, n, grid))
-    which = np.minimum(np.searchsorted(ladder, longest, side="left"), len(ladder) - 1)
-    return np.where(longest > 0, ladder[which], 0)
-
-
-def pack_shapes(T: int, micro_batch: int, n: int, share: bool = False,
-                grid: int = 2) -> tuple[tuple[int, int], ...]:
-    """The (packed sequences, token window) shapes a packed update compiles: windows from length_ladder,
-    sequences micro_batch, /2 and /4 (rounded up). When rows share prefixes also /8 and a window of 2T,
-    so that the rows of a unit (their prefix laid once) mostly fit one sequence."""
-    seqs = sorted({max(1, -(-micro_batch // d)) for d in ((1, 2, 4, 8) if share else (1, 2, 4))})
-    return tuple((p, t) for t in length_ladder(T, n, grid) + ((2 * T,) if share else ()) for p in seqs)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray, n: int) -> int:
-    d = np.flatnonzero(a[:n] != b[:n])
-    return int(d[0]) if len(d) else n
-
-
-def share_units(tokens: np.ndarray, lengths, minimum: int) -> list[tuple[list[int], int]]:
-    """Host-side: rows grouped into units that share a prefix of >= `minimum` tokens, as (rows, shared
-    length); rows alone have shared length 0. Longest rows lead; a leader takes the rows that maximise
-    the tokens saved, (members - 1) x their common prefix with it."""
-    left = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: -int(lengths[i]))
-    units = []
-    while left:
-        lead, rest = left[0], left[1:]
-        lcp = sorted(((_common_prefix(tokens[lead], tokens[j], int(min(lengths[lead], lengths[j]))), j) for j in rest),
-                     key=lambda cj: (-cj[0], cj[1]))
-        best, k = 0, 0
-        for m in range(1, len(lcp) + 1):
-            c = lcp[m - 1][0]
-            if c >= minimum and m * c > best:
-                best, k = m * c, m
-        members = [lead] + [j for _, j in lcp[:k]]
-        c = lcp[k - 1][0] if k else 0
-        units.append((members, c))
-        left = [i for i in left if i not in members]
-    return units
-
-
-def pack_units(units, lengths, capacity: int) -> tuple[dict[int, tuple[int, int, int, int]], int]:
-    """First-fit decreasing of shared-prefix units into sequences of `capacity` tokens: each row's
-    (sequence, prefix offset, offset, shared length) with its token q >= shared length at offset + q and
-    q < shared length at prefix offset + q; and the number of sequences used. A unit too long for one
-    sequence is split, each part with its own copy of the prefix."""
-    parts = []
-    part = lambda rows, c: (rows, c, c + sum(int(lengths[i]) - c for i in rows)) if len(rows) > 1 else (
-        rows, 0, int(lengths[rows[0]]))  # a row alone has nothing to share
-    for rows, c in units:
-        cur, size = [], c
-        for i in rows:
-            n = int(lengths[i]) - c
-            if n + c > capacity:
-                raise ValueError(f"a row of {n + c} tokens does not fit a packed sequence of {capacity}")
-            if cur and size + n > capacity:
-                parts.append(part(cur, c))
-                cur, size = [], c
-            cur.append(i)
-            size += n
-        parts.append(part(cur, c))
-    where, fill = {}, []
-    for rows, c, size in sorted(parts, key=lambda u: -u[2]):
-        j = next((j for j, f in enumerate(fill) if f + size <= capacity), len(fill))
-        if j == len(fill):
-            fill.append(0)
-        at, start = fill[j] + c, fill[j]
-        for i in rows:
-            where[i] = (j, start, at - c, c)
-            at += int(lengths[i]) - c
-        fill[j] += size
-    return where, len(fill)
-
-
-def pack_rows(lengths, capacity: int) -> tuple[list[int], list[int], int]:
-    """First-fit decreasing: each row's (sequence, offset) in sequences of `capacity` tokens, and the
-    number of sequences used. Rows of length 0 (padding) go nowhere (sequence 0, offset 0). pack_units
-    with every row a unit of its own."""
-    where, used = pack_units([([i], 0) for i in range(len(lengths)) if lengths[i] > 0], lengths, capacity)
-    seq, off = [0] * len(lengths), [0] * len(lengths)
-    for i, (j, _, o, _) in where.items():
-        seq[i], off[i] = j, o
-    return seq, off, used
-
-
-def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 0, grid: int = 2) -> TrainBatch:
-    """Host-side: the packing of every micro-batch (TrainBatch.pack_*). For each item the packed shape
-    with the fewest positions (sequences x window) that holds its rows; ties take the shorter window.
-    share_prefix > 0: rows sharing a prefix of at least that many tokens are laid over one copy of it
-    (share_units; TrainBatch.pack_pre / pack_share)."""
-    if batch.length is None:
-        raise ValueError("packing needs the rows' lengths (TrainBatch.length)")
-    length = np.asarray(batch.length)
-    S, R = length.shape
-    T = batch.tokens.shape[2]
-    mb = min(micro_batch, R)
-    shapes = pack_shapes(T, mb, n, share=share_prefix > 0, grid=grid)
-    tokens = np.asarray(batch.tokens) if share_prefix else None
-    seq, off = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
-    pre, shared = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
-    shape = np.zeros((S, R), np.int32)
-    for s in range(S):
-        for m in range(R // mb):
-            rows = slice(m * mb, (m + 1) * mb)
-            lens = length[s, rows]
-            if not lens.any():
-                continue
-            units = (share_units(tokens[s, rows], lens, share_prefix) if share_prefix
-                     else [([i], 0) for i in range(mb) if lens[i] > 0])
-            for k, (p, t) in sorted(enumerate(shapes), key=lambda kv: (kv[1][0] * kv[1][1], kv[1][1])):
-                if t < lens.max():
-                    continue
-                where, used = pack_units(units, lens, t)
-                if used <= p:
-                    break
-            # (mb, T) always holds the rows: one per sequence
-            for i, (j, pr, of, c) in where.items():
-                seq[s, m * mb + i], pre[s, m * mb + i], off[s, m * mb + i], shared[s, m * mb + i] = j, pr, of, c
-            shape[s, rows] = k
-    return batch._replace(pack_seq=seq, pack_off=off, pack_shape=shape,
-                          pack_pre=pre if share_prefix else None, pack_share=shared if share_prefix else None)
-
-
-def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool, share_prefix: int = 0, grid: int = 2):
-    """Host-side: the token positions each (slot, micro-batch) item computes ([S, M]; 0 when skipped)."""
-    S, R, T = batch.tokens.shape
-    mb = min(micro_batch, R)
-    if not packing:
-        return item_windows(batch.length, micro_batch, T, n, grid) * mb
-    b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, n, share_prefix, grid)
-    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, n, share=b.pack_share is not None, grid=grid)])
-    live = np.asarray(b.length).reshape(S, R // mb, mb).max(-1) > 0
-    return np.where(live, shapes[np.asarray(b.pack_shape)[:, ::mb]], 0)
-
-
 _HEAD_BYTES = 256 * 2 ** 20  # one item's float32 logits above this are computed in chunks of positions
+
+
+def head_chunk(N: int, W: int, V: int, chunk: int = 0, *, sharded: bool = False) -> tuple[int, bool]:
+    """The LM head's chunk for an item of N rows scoring W positions each over a V-token vocabulary, as
+    (positions per chunk, flat): chunk > 0 (UpdateConfig.head_chunk) is taken per row; otherwise the whole
+    window when its float32 logits fit _HEAD_BYTES, else the positions of all rows laid as one (flat) in
+    chunks whose logits fit it: a long row and a micro-batch of many short ones alike. Under a mesh the
+    rows stay split over the data axes (not flat) and each row's positions are chunked."""
+    if chunk:
+        return chunk, False
+    if N * W * V * 4 <= _HEAD_BYTES:
+        return W, False
+    if not sharded:
+        return max(1, _HEAD_BYTES // (4 * V)), True
+    return max(8, _HEAD_BYTES // (4 * V * N)), False
 
 
 class TrainState(NamedTuple):
@@ -310,8 +182,7 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
     N, W = rows["targets"].shape
     idx = jnp.minimum(rows["win_start"][:, None] + jnp.arange(W), rows["tokens"].shape[1] - 1)
     want_entropy = ucfg.entropy_coef != 0.0 or ucfg.metrics
-    chunk = ucfg.head_chunk or (W if N * W * cfg.vocab_size * 4 <= _HEAD_BYTES
-                                else max(8, _HEAD_BYTES // (4 * cfg.vocab_size * N)))
+    chunk, flat = head_chunk(N, W, cfg.vocab_size, ucfg.head_chunk, sharded=mesh is not None)
 
     def window_logprobs(p, lo, entropy: bool):
         packed = "pack_tokens" in rows
@@ -328,6 +199,10 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
         else:
             h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
         head = lambda x: decoder.unembed(p, cfg, x, mesh=mesh, rules=rules)
+        if flat:  # the item's scored positions as one row: a chunk's logits do not grow with its rows
+            lp, ent = L.head_logprobs(head, h.reshape(1, N * W, -1), rows["targets"].reshape(1, N * W),
+                                      entropy=entropy, chunk=chunk)
+            return lp.reshape(N, W), (None if ent is None else ent.reshape(N, W))
         return L.head_logprobs(head, h, rows["targets"], entropy=entropy, chunk=chunk)
 
     logp, entropy = window_logprobs(params, lora, want_entropy)
@@ -357,6 +232,46 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
     return nums, aux
 
 
+def _role_diagnostics(acc, g_slot, g_role, k_slot, S: int, K: int):
+    """Per-group gradient accumulators [G, ...] -> (slot gradients [S, ...], role gradients [K, ...], the
+    per-role diagnostics: norms, projection shares, cosines, copy alignment, per-group norms)."""
+    grads = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_slot, num_segments=S), acc)
+    role_g = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_role, num_segments=K), acc)
+    slot_of_role = jax.tree_util.tree_map(lambda x: x[k_slot], grads)  # [K, ...] slot grad of each role
+    gram = jax.vmap(lambda a: jax.vmap(lambda b: _tree_dot(a, b))(role_g))(role_g)  # [K, K]
+    role_norm = jnp.sqrt(jnp.maximum(jnp.diag(gram), 0.0))
+    slot_dot = jax.vmap(_tree_dot)(role_g, slot_of_role)  # <g_k, g_slot(k)>
+    slot_sq = jax.vmap(lambda a: _tree_dot(a, a))(slot_of_role)
+    same_slot = k_slot[:, None] == k_slot[None, :]
+    norm_sum = jnp.sum(jnp.where(same_slot, role_norm[None, :], 0.0), axis=1)
+    group_sq = jax.vmap(lambda a: _tree_dot(a, a))(acc)  # [G]
+    copies_sq = jax.ops.segment_sum(group_sq, g_role, num_segments=K)
+    return grads, role_g, dict(
+        role_grad_norm=role_norm,
+        role_grad_share=slot_dot / jnp.maximum(slot_sq, 1e-30),
+        role_grad_norm_share=role_norm / jnp.maximum(norm_sum, 1e-30),
+        role_grad_cos=gram / jnp.maximum(role_norm[:, None] * role_norm[None, :], 1e-30),
+        role_copy_alignment=role_norm / jnp.sqrt(jnp.maximum(copies_sq, 1e-30)),
+        group_grad_norm=jnp.sqrt(jnp.maximum(group_sq, 0.0)),
+    )
+
+
+def _apply_if_finite(tx, state: "TrainState", grads, new_ema, finite):
+    """The optimizer step (clipping and AdamW per slot) when `finite`, else the old state with the skip counted."""
+    safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt = tx.update(safe_grads, state.opt_state, state.trainable)
+    new_tr = optax.apply_updates(state.trainable, updates)
+    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+    return TrainState(keep(new_tr, state.trainable), keep(new_opt, state.opt_state),
+                      state.step + 1, state.skipped + (~finite).astype(jnp.int32), keep(new_ema, state.grad_ema))
+
+
+def _item_group(grp, xp=jnp):
+    """An item's group (its rows' largest, -1 when all padding) and how many of its rows belong to another."""
+    mg = xp.max(grp)
+    return mg, xp.sum((grp >= 0) & (grp != mg)).astype(xp.int32)
+
+
 def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: optax.GradientTransformation,
                     *, num_groups: int, group_slot, group_role, num_roles: int, role_slot, mesh=None, rules=None,
                     levers=None):
@@ -369,46 +284,51 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
     (marl_jax.models.sharding): the base and the slot-stacked trainable weights, their optimizer
     state and the gradient accumulators by parameter name (FSDP over "fsdp", tensor parallelism over
     "model"), batch rows over data x fsdp; metrics are replicated. Nothing is gathered to the host.
+
+    The functions below are in the order a step runs them: the host lays the batch out into work items,
+    each item computes its rows' loss terms and gradient, items are accumulated per group, and `finish`
+    turns the accumulators into diagnostics and the optimizer step. `itemwise` runs that as one program
+    per item shape, `fused` as one program for the whole step.
     """
     G, K = num_groups, num_roles
     g_slot = jnp.asarray(group_slot, jnp.int32)
     g_role = jnp.asarray(group_role, jnp.int32)
     k_slot = jnp.asarray(role_slot, jnp.int32)
+    budget = ucfg.max_tokens_per_micro_batch
 
-    def rows_of(batch: TrainBatch, xp=jnp):
-        """The per-row arrays an item reads, as a dict; validates the batch's packing."""
+    # ---- 1. the host: the batch's rows and its work items ----
+    def pack(batch: TrainBatch) -> TrainBatch:
+        """The batch with its micro-batches' packing (layout.pack_batch) when packing is on and it has none."""
+        if ucfg.packing and batch.pack_shape is None:
+            return pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix, ucfg.length_grid)
+        return batch
+
+    def rows_of(batch: TrainBatch, xp=jnp, packed: bool = ucfg.packing):
+        """The per-row arrays an item reads, as a dict; packed: with the batch's packing (validated)."""
         rows = {"tokens": batch.tokens, "valid": batch.valid, "win_start": batch.win_start,
                 "targets": batch.targets, "loss_mask": batch.loss_mask,
                 "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
         if batch.length is not None:
             rows["length"] = batch.length
-        if ucfg.packing:
+        if packed:
             if batch.pack_shape is None:
-                raise ValueError("UpdateConfig.packing needs the batch's packing (rl.update.pack_batch); the step "
+                raise ValueError("UpdateConfig.packing needs the batch's packing (rl.layout.pack_batch); the step "
                                  "returned by make_train_step adds it on the host")
             rows.update(pack_seq=batch.pack_seq, pack_off=batch.pack_off, pack_shape=batch.pack_shape)
             if ucfg.share_prefix:
                 if batch.pack_share is None:
                     raise ValueError("UpdateConfig.share_prefix needs the batch packed with it "
-                                     "(rl.update.pack_batch(..., share_prefix=...))")
+                                     "(rl.layout.pack_batch(..., share_prefix=...))")
                 rows.update(pack_pre=batch.pack_pre, pack_share=batch.pack_share)
         return {k: xp.asarray(v) for k, v in rows.items()}
 
-    def role_stats(aux, r, w, grp, W):
-        """Additive loss stats per role for one item: dict of [K]."""
-        def for_role(k):
-            in_role = (jnp.take(g_role, jnp.maximum(grp, 0)) == k) & (grp >= 0)
-            rw = w * in_role
-            st = L.policy_loss_stats(
-                aux["logp"], aux["old"], r["advantages"], r["loss_mask"], clip_low=ucfg.clip_low,
-                clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip, agg=ucfg.agg,
-                max_len_norm=ucfg.max_len_norm or W, ref_logp=aux.get("ref"), kl_estimator=ucfg.kl_estimator,
-                entropy=aux.get("entropy"), row_weight=rw)
-            st["rows"] = jnp.sum(rw)
-            st["resp_tokens"] = jnp.sum(r["loss_mask"] * rw[..., None])
-            return st
-        return jax.vmap(for_role)(jnp.arange(K))
+    def plan(batch: TrainBatch) -> list[layout.Item]:
+        """The batch's work items in the order they run (layout.plan_items)."""
+        return layout.plan_items(batch, micro_batch=ucfg.micro_batch, length_buckets=ucfg.length_buckets,
+                                 grid=ucfg.length_grid, packing=ucfg.packing, share_prefix=ucfg.share_prefix,
+                                 max_tokens=budget, by_group=ucfg.diagnostics)
 
+    # ---- 2. one item: a forward pass, every row's loss terms, one VJP ----
     def terms_over(t, T, W, mb):
         """Row numerators, gradient and aux of one item computed over its first t positions (every row of
         the item is at most t tokens long, so causal attention gives the same values as over all T)."""
@@ -457,71 +377,148 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             return inner(mine, base, rp, cot)
         return run
 
+    def role_stats(aux, r, w, grp, W):
+        """Additive loss stats per role for one item: dict of [K]."""
+        def for_role(k):
+            in_role = (jnp.take(g_role, jnp.maximum(grp, 0)) == k) & (grp >= 0)
+            rw = w * in_role
+            st = L.policy_loss_stats(
+                aux["logp"], aux["old"], r["advantages"], r["loss_mask"], clip_low=ucfg.clip_low,
+                clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip, agg=ucfg.agg,
+                max_len_norm=ucfg.max_len_norm or W, ref_logp=aux.get("ref"), kl_estimator=ucfg.kl_estimator,
+                entropy=aux.get("entropy"), row_weight=rw)
+            st["rows"] = jnp.sum(rw)
+            st["resp_tokens"] = jnp.sum(r["loss_mask"] * rw[..., None])
+            return st
+        return jax.vmap(for_role)(jnp.arange(K))
+
+    def item(trainable, base, r, w, grp, slot, cot, *, kind, T, W):
+        """One item on its slot's parameters: its weighted loss numerator, its gradient and its role stats."""
+        mine = jax.tree_util.tree_map(lambda x: x[slot], trainable)
+        mb = w.shape[0]
+        fn = packed_over(kind[1], kind[2], T, W, mb) if kind[0] == "pack" else terms_over(kind[1], T, W, mb)
+        nums, gr, aux = fn(mine, base, r, cot)
+        return jnp.sum(nums * w), gr, (role_stats(aux, r, w, grp, W) if ucfg.metrics else None)
+
+    # ---- 3. accumulation over items ----
+    def zero_acc(trainable):
+        """Zero gradient accumulators: one per diagnostic group (diagnostics) or per slot."""
+        one_slot_zero = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[1:], x.dtype), trainable)
+        return (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
+                if ucfg.diagnostics else jax.tree_util.tree_map(jnp.zeros_like, trainable))
+
+    def start(trainable, st, S):
+        """The accumulators before the first item: zero gradients and sums, maxima below any value."""
+        role_st = None if st is None else {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0, v.dtype)
+                                           for k, v in st.items()}
+        return zero_acc(trainable), jnp.zeros((S,), jnp.float32), jnp.int32(0), role_st
+
+    def add_grad(acc, gr, slot, grp_id):
+        """Add one item's gradient to its group's accumulator (diagnostics; grp_id -1: dropped) or its slot's."""
+        if ucfg.diagnostics:
+            at = jnp.where(grp_id >= 0, grp_id, G)
+            return jax.tree_util.tree_map(lambda a, g: a.at[at].add(g, mode="drop"), acc, gr)
+        return jax.tree_util.tree_map(lambda a, g: a.at[slot].add(g), acc, gr)
+
+    def accumulate(carry, num, gr, st, slot, grp_id, mix):
+        """Fold one item into the carry: its gradient, loss numerator, misaligned rows and role stats."""
+        acc, num_total, mixed, role_st = carry
+        acc = add_grad(acc, gr, slot, grp_id)
+        if st is not None:
+            role_st = {k: (jnp.maximum(role_st[k], v) if k.endswith("_max") else role_st[k] + v)
+                       for k, v in st.items()}
+        return acc, num_total.at[slot].add(num), mixed + (mix if ucfg.diagnostics else 0), role_st
+
+    # ---- 4. after the last item: diagnostics, levers, the optimizer ----
     def finish(state: TrainState, acc, num_total, mixed, role_st, den):
         """From the accumulated item gradients: per-role diagnostics, levers, clipping and the optimizer."""
         S = den.shape[0]
         loss_per_slot = num_total / den
         metrics = {"loss": jnp.sum(loss_per_slot), "loss_per_slot": loss_per_slot}
+        role_g = None
         if ucfg.diagnostics:  # rows of another group in a micro-batch: the batch was not group-aligned
             metrics["misaligned_rows"] = mixed
-            grads = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_slot, num_segments=S), acc)
-            role_g = jax.tree_util.tree_map(lambda x: jax.ops.segment_sum(x, g_role, num_segments=K), acc)
-            slot_of_role = jax.tree_util.tree_map(lambda x: x[k_slot], grads)  # [K, ...] slot grad of each role
-            gram = jax.vmap(lambda a: jax.vmap(lambda b: _tree_dot(a, b))(
-                role_g))(role_g)  # [K, K]
-            role_norm = jnp.sqrt(jnp.maximum(jnp.diag(gram), 0.0))
-            slot_dot = jax.vmap(_tree_dot)(role_g, slot_of_role)  # <g_k, g_slot(k)>
-            slot_sq = jax.vmap(lambda a: _tree_dot(a, a))(slot_of_role)
-            same_slot = k_slot[:, None] == k_slot[None, :]
-            norm_sum = jnp.sum(jnp.where(same_slot, role_norm[None, :], 0.0), axis=1)
-            group_sq = jax.vmap(lambda a: _tree_dot(a, a))(acc)  # [G]
-            copies_sq = jax.ops.segment_sum(group_sq, g_role, num_segments=K)
-            metrics.update(
-                role_grad_norm=role_norm,
-                role_grad_share=slot_dot / jnp.maximum(slot_sq, 1e-30),
-                role_grad_norm_share=role_norm / jnp.maximum(norm_sum, 1e-30),
-                role_grad_cos=gram / jnp.maximum(role_norm[:, None] * role_norm[None, :], 1e-30),
-                role_copy_alignment=role_norm / jnp.sqrt(jnp.maximum(copies_sq, 1e-30)),
-                group_grad_norm=jnp.sqrt(jnp.maximum(group_sq, 0.0)),
-            )
+            grads, role_g, diag = _role_diagnostics(acc, g_slot, g_role, k_slot, S, K)
+            metrics.update(diag)
         else:
             grads = acc
         new_ema = state.grad_ema
         if levers is not None and levers.active:  # damping, fan-out, balancing (marl_jax.rl.levers)
             from marl_jax.rl import levers as LV
-            grads, new_ema, metrics["levers"] = LV.apply(levers, role_g if ucfg.diagnostics else None,
-                                                         state.grad_ema, k_slot, S)
+            grads, new_ema, metrics["levers"] = LV.apply(levers, role_g, state.grad_ema, k_slot, S)
         from marl_jax.rl.optim import global_norm_per_slot
         metrics["slot_grad_norm"] = global_norm_per_slot(grads)
         if role_st is not None:
             metrics["role_stats"] = role_st
-
         finite = jnp.isfinite(metrics["loss"]) & jnp.all(jnp.isfinite(metrics["slot_grad_norm"]))
-        safe_grads = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, 0.0), grads)
-        updates, new_opt = tx.update(safe_grads, state.opt_state, state.trainable)
-        new_tr = optax.apply_updates(state.trainable, updates)
-        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
-        new_state = TrainState(keep(new_tr, state.trainable), keep(new_opt, state.opt_state),
-                               state.step + 1, state.skipped + (~finite).astype(jnp.int32),
-                               keep(new_ema, state.grad_ema))
         metrics["finite"] = finite
-        return new_state, metrics
+        return _apply_if_finite(tx, state, grads, new_ema, finite), metrics
 
-    def zero_acc(trainable):
-        one_slot_zero = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[1:], x.dtype), trainable)
-        return (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
-                if ucfg.diagnostics else jax.tree_util.tree_map(jnp.zeros_like, trainable))
+    # ---- running steps 2-4: one program per item shape ----
+    # A program over the whole batch has the batch's shape (rows, length, packed shapes used), which changes
+    # from step to step in RL, so it would compile again nearly every step. Run item by item instead, each
+    # item's program keyed by its own shape only (window or packed shape, rows, completion window): after the
+    # first steps every program is compiled, and the persistent cache serves them across runs.
+    programs = {}  # built at the first step: under a mesh their shardings follow the state's shapes
 
-    def add_grad(acc, gr, slot, grp):
-        """Add one item's gradient to its group's accumulator (diagnostics) or its slot's; the count of
-        its rows from other groups (0 when the batch is group-aligned)."""
-        if ucfg.diagnostics:
-            mg = jnp.max(grp)  # this item's group, -1 if all padding
-            at = jnp.where(mg >= 0, mg, G)
-            return (jax.tree_util.tree_map(lambda a, g: a.at[at].add(g, mode="drop"), acc, gr),
-                    jnp.sum((grp >= 0) & (grp != mg)))
-        return jax.tree_util.tree_map(lambda a, g: a.at[slot].add(g), acc, gr), jnp.int32(0)
+    def item_programs(state):
+        """The jitted item, accumulate, start and finish programs (with output shardings under a mesh)."""
+        if not programs:
+            kw = [{} for _ in range(4)]
+            if mesh is not None:
+                rep = sharding.replicated(mesh)
+                one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.trainable)
+                acc = sharding.tree_shardings(jax.eval_shape(zero_acc, state.trainable), mesh, rules)
+                kw = [dict(out_shardings=(rep, sharding.tree_shardings(one, mesh, rules), rep)),
+                      dict(out_shardings=(acc, rep, rep, rep)), dict(out_shardings=(acc, rep, rep, rep)),
+                      dict(out_shardings=(sharding.tree_shardings(state, mesh, rules), rep))]
+            programs.update(item=jax.jit(item, static_argnames=("kind", "T", "W"), **kw[0]),
+                            accumulate=jax.jit(accumulate, donate_argnums=(0,), **kw[1]),
+                            start=jax.jit(start, static_argnums=(2,), **kw[2]),
+                            finish=jax.jit(finish, donate_argnums=(0,), **kw[3]))
+        return programs
 
+    def put(tree, rows_first: bool = True):
+        """Host values onto the mesh (rows over the data axes, scalars replicated); as they are without one."""
+        if mesh is None:
+            return tree
+        return jax.device_put(tree, jax.tree_util.tree_map(
+            lambda x: sharding.batch_sharding(x, mesh, 0, rules) if rows_first and np.ndim(x)
+            else sharding.replicated(mesh), tree))
+
+    def itemwise(state: TrainState, base, batch: TrainBatch):
+        """The step item by item: each item's rows gathered on the host, its program, the accumulators, finish."""
+        if mesh is not None:  # a no-op for arrays already in place (the trainer's), so donation still works
+            state, base = jax.device_put((state, base), (sharding.tree_shardings(state, mesh, rules),
+                                                         sharding.tree_shardings(base, mesh, rules)))
+        fns = item_programs(state)
+        rows = rows_of(batch, np, packed=ucfg.packing and not budget)  # a budget's items carry their own packing
+        S, R, T = rows["tokens"].shape
+        W = rows["targets"].shape[2]
+        den = np.maximum(np.asarray(batch.den, np.float32), np.float32(1.0))
+        weight, group = np.asarray(batch.row_weight, np.float32), np.asarray(batch.group, np.int32)
+        carry = None
+        for it in plan(batch):
+            s, t = it.slot, min(it.kind[-1], T)
+            # Columns past the window are never read: the program's shape does not depend on T.
+            r = {k: layout.take_rows(v[s][:, :t] if k in ("tokens", "valid") else v[s], it.rows)
+                 for k, v in rows.items()}
+            if it.pack is not None:
+                r.update(it.pack)
+            w, grp = layout.take_rows(weight[s], it.rows), layout.take_rows(group[s], it.rows, -1)
+            grp_id, mix = _item_group(grp, np)
+            r, w_, grp_, cot = put((r, w, grp, w / den[s]))
+            slot, grp_id, mix = put((np.int32(s), np.int32(grp_id), np.int32(mix)), rows_first=False)
+            num, gr, st = fns["item"](state.trainable, base, r, w_, grp_, slot, cot, kind=it.kind, T=t, W=W)
+            if carry is None:
+                carry = fns["start"](state.trainable, st, S)
+            carry = fns["accumulate"](carry, num, gr, st, slot, grp_id, mix)
+        if carry is None:  # no trained row at all (rare): the fused program handles the empty batch
+            return fallback(state, base, pack(batch), (0,) if ucfg.packing else None)
+        acc, num_total, mixed, role_st = carry
+        return fns["finish"](state, acc, num_total, mixed, role_st, put(den, rows_first=False))
+
+    # ---- or steps 2-4 as one program: a scan over the items ----
     def fused(state: TrainState, base, batch: TrainBatch, used: tuple[int, ...] | None = None):
         """The whole step as one program: a scan over items. used (packing, static): the pack_shapes indices
         the batch's items take; only these compile."""
@@ -562,8 +559,10 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                 nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ladder) - 1),
                                                [terms_over(t, T, W, mb) for t in ladder], mine, base, r, cot)
             num_total = num_total.at[slot].add(jnp.sum(nums * w))
-            acc, mix = add_grad(acc, gr, slot, grp)
-            return (acc, num_total, mixed + mix), (role_stats(aux, r, w, grp, W) if ucfg.metrics else None)
+            grp_id, mix = _item_group(grp)
+            acc = add_grad(acc, gr, slot, grp_id)
+            return ((acc, num_total, mixed + (mix if ucfg.diagnostics else 0)),
+                    (role_stats(aux, r, w, grp, W) if ucfg.metrics else None))
 
         def body(carry, xs):
             stats_shape = jax.eval_shape(lambda c, x: compute(c, x)[1], carry, xs)
@@ -580,107 +579,12 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             role_st = {k: (v.max(0) if k.endswith("_max") else v.sum(0)) for k, v in mstats.items()}
         return finish(state, acc, num_total, mixed, role_st, den)
 
-    # ---- one program per item shape ----
-    # The fused program's shape is the batch's (rows, length, packed shapes used), which changes from step to
-    # step in RL, so it compiles again nearly every step. Run item by item instead, each item's program
-    # keyed by its own shape only (window or packed shape, micro-batch, completion window): after the first
-    # steps every program is compiled, and the persistent cache serves them across runs.
-    def item(trainable, base, r, w, grp, slot, cot, *, kind, T, W):
-        mine = jax.tree_util.tree_map(lambda x: x[slot], trainable)
-        mb = w.shape[0]
-        fn = packed_over(kind[1], kind[2], T, W, mb) if kind[0] == "pack" else terms_over(kind[1], T, W, mb)
-        nums, gr, aux = fn(mine, base, r, cot)
-        return jnp.sum(nums * w), gr, (role_stats(aux, r, w, grp, W) if ucfg.metrics else None)
-
-    def accumulate(carry, num, gr, st, slot, grp):
-        acc, num_total, mixed, role_st = carry
-        acc, mix = add_grad(acc, gr, slot, grp)
-        if st is not None:
-            role_st = {k: (jnp.maximum(role_st[k], v) if k.endswith("_max") else role_st[k] + v)
-                       for k, v in st.items()}
-        return acc, num_total.at[slot].add(num), mixed + mix, role_st
-
-    def start(trainable, st, S):
-        """The accumulators before the first item: zero gradients and sums, maxima below any value."""
-        role_st = None if st is None else {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0, v.dtype)
-                                           for k, v in st.items()}
-        return zero_acc(trainable), jnp.zeros((S,), jnp.float32), jnp.int32(0), role_st
-
-    fused_jit = jax.jit(fused, donate_argnums=(0,), static_argnums=(3,))
-    programs = {}  # the item path's programs; under a mesh built at the first step (shardings follow the shapes)
-
-    def item_programs(state):
-        if not programs:
-            kw = [{} for _ in range(4)]
-            if mesh is not None:
-                rep = sharding.replicated(mesh)
-                one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.trainable)
-                acc = sharding.tree_shardings(jax.eval_shape(zero_acc, state.trainable), mesh, rules)
-                kw = [dict(out_shardings=(rep, sharding.tree_shardings(one, mesh, rules), rep)),
-                      dict(out_shardings=(acc, rep, rep, rep)), dict(out_shardings=(acc, rep, rep, rep)),
-                      dict(out_shardings=(sharding.tree_shardings(state, mesh, rules), rep))]
-            programs.update(item=jax.jit(item, static_argnames=("kind", "T", "W"), **kw[0]),
-                            accumulate=jax.jit(accumulate, donate_argnums=(0,), **kw[1]),
-                            start=jax.jit(start, static_argnums=(2,), **kw[2]),
-                            finish=jax.jit(finish, donate_argnums=(0,), **kw[3]))
-        return programs
-
-    def put(tree, rows_first: bool = True):
-        """Host values onto the mesh (rows over the data axes, scalars replicated); as they are without one."""
-        if mesh is None:
-            return tree
-        return jax.device_put(tree, jax.tree_util.tree_map(
-            lambda x: sharding.batch_sharding(x, mesh, 0, rules) if rows_first and np.ndim(x)
-            else sharding.replicated(mesh), tree))
-
-    def itemwise(state: TrainState, base, batch: TrainBatch):
-        if mesh is not None:  # a no-op for arrays already in place (the trainer's), so donation still works
-            state, base = jax.device_put((state, base), (sharding.tree_shardings(state, mesh, rules),
-                                                         sharding.tree_shardings(base, mesh, rules)))
-        fns = item_programs(state)
-        rows = rows_of(batch, np)
-        S, R, T = rows["tokens"].shape
-        mb = min(ucfg.micro_batch, R)
-        W = rows["targets"].shape[2]
-        den = np.maximum(np.asarray(batch.den, np.float32), np.float32(1.0))
-        weight, group = np.asarray(batch.row_weight, np.float32), np.asarray(batch.group, np.int32)
-        windows = (item_windows(rows["length"], mb, T, ucfg.length_buckets, ucfg.length_grid) if "length" in rows
-                   else np.full((S, R // mb), T))
-        shapes = (pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0, grid=ucfg.length_grid)
-                  if ucfg.packing else ())
-        carry, role_st = None, None
-        for s in range(S):
-            for m in range(R // mb):
-                sl = slice(m * mb, (m + 1) * mb)
-                w = weight[s, sl]
-                if not np.any(w > 0):  # padding only
-                    continue
-                r = {k: v[s, sl] for k, v in rows.items()}
-                if ucfg.packing:
-                    p, t = shapes[int(r["pack_shape"].max())]
-                    kind = ("pack", p, t)
-                else:
-                    t = int(windows[s, m])
-                    kind = ("window", t)
-                # Columns past the window are never read: the program's shape does not depend on T.
-                r["tokens"], r["valid"] = r["tokens"][:, :min(t, T)], r["valid"][:, :min(t, T)]
-                r, w_, grp, cot = put((r, w, group[s, sl], w / den[s]))
-                slot = put(np.int32(s), rows_first=False)
-                num, gr, st = fns["item"](state.trainable, base, r, w_, grp, slot, cot, kind=kind, T=min(t, T), W=W)
-                if carry is None:
-                    carry = fns["start"](state.trainable, st, S)
-                carry = fns["accumulate"](carry, num, gr, st, slot, put(group[s, sl], rows_first=False))
-        if carry is None:  # no trained row at all (rare): the fused program handles the empty batch
-            return fallback(state, base, batch, (0,) if ucfg.packing else None)
-        acc, num_total, mixed, role_st = carry
-        return fns["finish"](state, acc, num_total, mixed, role_st, put(den, rows_first=False))
-
-    fn = fallback = fused_jit if mesh is None else _sharded_jit(fused, mesh, rules)
+    # ---- the step ----
+    fn = fallback = (jax.jit(fused, donate_argnums=(0,), static_argnums=(3,)) if mesh is None
+                     else _sharded_jit(fused, mesh, rules))
     if ucfg.program in ("auto", "items"):
         def items_step(state, base, batch):
-            if ucfg.packing and batch.pack_shape is None:
-                batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix, ucfg.length_grid)
-            return itemwise(state, base, batch)
+            return itemwise(state, base, batch if budget else pack(batch))
         # compiled item programs so far
         items_step.item_programs = lambda: programs["item"]._cache_size() if programs else 0
         return items_step
@@ -689,8 +593,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         return fn
 
     def packed_step(state, base, batch):
-        if batch.pack_shape is None:
-            batch = pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix, ucfg.length_grid)
+        batch = pack(batch)
         # Compile only the packed shapes this batch's items take (every shape would be many branches).
         length, shape = np.asarray(batch.length), np.asarray(batch.pack_shape)
         used = tuple(sorted({int(k) for k in np.unique(shape[length > 0])})) or (0,)
