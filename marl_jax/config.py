@@ -85,6 +85,10 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # Token window sizes per octave for the update's micro-batches (marl_jax.rl.update.length_ladder): a
         # finer grid computes less padding and compiles more item programs over a run
         length_grid=2,
+        # Token-budget micro-batches (verl's use_dynamic_bsz): each update micro-batch holds as many rows of one
+        # role group as this many computed positions allow (one long row alone, many short ones together)
+        # instead of micro_batch rows; same loss and gradients (marl_jax.rl.layout.budget_items). 0: off
+        max_tokens_per_micro_batch=0,
     ))
     c.optim = ml_collections.ConfigDict(dict(
         lr=2e-5, weight_decay=0.01, grad_clip=1.0, schedule="constant", warmup_steps=0, min_lr_ratio=0.0))
@@ -217,6 +221,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     elif c.grpo.share_prefix and not c.grpo.packing:
         errors.append(f"--config.grpo.share_prefix={c.grpo.share_prefix} lays rows over shared prefixes in packed "
                       "sequences: add --config.grpo.packing=true")
+    if c.grpo.max_tokens_per_micro_batch < 0:
+        errors.append("--config.grpo.max_tokens_per_micro_batch must be >= 0 (0 = off: grpo.micro_batch rows per "
+                      f"micro-batch), got {c.grpo.max_tokens_per_micro_batch}")
     if c.optim.lr <= 0:
         errors.append(f"--config.optim.lr must be > 0, got {c.optim.lr}")
     if c.task.source in ("file", "code_file") and not c.task.path:

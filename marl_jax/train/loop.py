@@ -143,7 +143,8 @@ class Trainer:
                                  diagnostics=g.diagnostics, metrics=g.metrics, remat=g.remat,
                                  remat_budget_gb=g.remat_budget_gb, packing=g.packing,
                                  share_prefix=int(g.share_prefix), unroll=bool(g.unroll),
-                                 length_grid=int(g.length_grid), dtype=rt.dtype)
+                                 length_grid=int(g.length_grid),
+                                 max_tokens_per_micro_batch=int(g.max_tokens_per_micro_batch), dtype=rt.dtype)
         o = config.optim
         self.tx = optim.per_slot(optim.make_optimizer(
             lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
