@@ -90,9 +90,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="marl_jax runs the layers as straight-line code, not a loop (grpo.unroll: ~2x compile)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="marl_jax base-model compute dtype (adapters, gradients, optimizer stay float32)")
+    p.add_argument("--max_tokens_per_micro_batch", type=int, default=0,
+                   help="marl_jax micro-batches of as many rows as this many positions hold, not --micro_batch "
+                        "rows (grpo.max_tokens_per_micro_batch; 0: off); PyTorch keeps --micro_batch rows")
     args = p.parse_args(argv)
     if args.rows < 1 or args.micro_batch < 1 or args.reps < 1:
         p.error("--rows, --micro_batch and --reps must be >= 1")
+    if args.max_tokens_per_micro_batch < 0:
+        p.error("--max_tokens_per_micro_batch must be >= 0 (0: off)")
     if args.episodes < 1 or args.share_prefix < 0:
         p.error("--episodes must be >= 1 and --share_prefix >= 0")
     if args.share_prefix and not args.packing:
@@ -289,8 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     from marl_jax.policy.lora import PolicySpec
     from marl_jax.rl import optim
     from marl_jax.rl.batch import make_batch, make_groups
-    from marl_jax.rl.update import (UpdateConfig, init_state, item_windows, length_ladder, make_train_step,
-                                    pack_batch, pack_shapes)
+    from marl_jax.rl.layout import item_windows, length_ladder, pack_batch, pack_shapes, plan_items
+    from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
 
     t_start = time.perf_counter()
     print(f"load average at start (1/5/15 min, {os.cpu_count()} cores): "
@@ -326,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     ucfg_off = UpdateConfig(micro_batch=args.micro_batch, diagnostics=False, metrics=False, remat=args.remat,
                             length_buckets=args.length_buckets, length_grid=args.length_grid, packing=args.packing,
                             share_prefix=args.share_prefix, unroll=args.unroll,
+                            max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                             dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
     batch = make_batch(rows, advs.astype(np.float32), role_to_slot=role_to_slot, num_slots=1, groups=groups,
                        micro_batch=args.micro_batch, pad_id=tok.pad_id, agg=ucfg_off.agg)
@@ -354,6 +360,15 @@ def main(argv: list[str] | None = None) -> None:
         jax_pos = sum(p * t for p, t in items)
         jax_pairs = sum(p * t * t for p, t in items)
         packing_note = f"; packed (sequences x window) per micro-batch {items}"
+    if args.max_tokens_per_micro_batch:  # the token budget's items replace the fixed micro-batches
+        plan = plan_items(batch, micro_batch=args.micro_batch, length_buckets=args.length_buckets,
+                          grid=args.length_grid, packing=args.packing, share_prefix=args.share_prefix,
+                          max_tokens=args.max_tokens_per_micro_batch, by_group=False)
+        jax_pos = sum(it.positions for it in plan)
+        jax_pairs = sum(it.positions * it.kind[-1] for it in plan)
+        jax_head = sum(len(it.rows) * W for it in plan)
+        packing_note += (f"; token budget {args.max_tokens_per_micro_batch}: {len(plan)} micro-batches (rows, shape) "
+                         f"{[(int((it.rows >= 0).sum()), it.kind[1:]) for it in plan]}")
     torch_pos, torch_pairs = computed_positions(rows, args.micro_batch, lambda n: n)
     torch_head = sum(len(rows[s:s + args.micro_batch]) * max(len(r.completion_tokens) for r in rows[s:s + args.micro_batch])
                      for s in range(0, len(rows), args.micro_batch))
