@@ -12,9 +12,10 @@ stop tokens) and trains a PEFT LoRA whose A/B start from marl_jax's initial adap
 Workloads (each step: --prompts tasks x --group_size completions, single-agent GRPO, reward 0/1):
   short     the embedded CPU preset's tasks (one-digit additions, compact prompts "... End with: The answer
             is <number>."), completions up to 64 tokens, reward = the last number.
-  longtail  multi-step arithmetic (3-4 two-digit terms, + - *) under the packaged prompts ("Reason step by
-            step, and put your final answer within \\boxed{}"), completions up to 512 tokens: most stop well
-            before the limit, a few run to it. Reward = the boxed answer, else the last number.
+  longtail  the same tasks under the packaged prompts ("Reason step by step, and put your final answer
+            within \\boxed{}"), completions up to 512 tokens: worked answers, most stopping early (16 tasks x 4
+            completions of the starting policy: median 128 tokens, 90th percentile 243, longest 464). Reward = the
+            boxed answer, else the last number (28% right, 12 of 16 groups mixed).
 
 Both sides get the same tasks in the same steps (TRL's dataset in order, shuffling off). The prompt token
 ids are checked to be identical: marl_jax's rendering of each task against TRL's own tokenization of the
@@ -25,7 +26,7 @@ printed as a list. Validation, checkpoints and evaluation are off on both sides.
 
 Steps alternate (a TRL step, then a marl_jax step, ...) so that changes in the load of a shared machine
 hit both alike. Printed per side: the first step (marl_jax compiles its sampler and update programs there;
-no persistent compile cache is used) and the median of the later steps, each split into sampling (TRL:
+no persistent compile cache unless --compile_cache) and the median of the later steps, each split into sampling (TRL:
 its _generate_and_score_completions, i.e. tokenization, generate, rewards and advantages; marl_jax: the
 rollout, rewards and batch) and update (the rest of the step), the generate call alone, generated tokens
 per step, and the update's useful FLOP/s next to a jitted f32 matmul peak measured here (FLOP rule of
@@ -104,11 +105,8 @@ def workload_settings(workload: str, small: bool = False, **overrides: Any) -> S
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     s = Settings(workload=workload)
-    if workload == "longtail":
-        s = dataclasses.replace(
-            s, max_new_tokens=512, prompt_dir="", extraction="boxed_or_last_number",
-            difficulty=(("min_terms", 3), ("max_terms", 4), ("min_digits", 2), ("max_digits", 2),
-                        ("operators", ("+", "-", "*")), ("allow_parentheses", False), ("allow_negation", False)))
+    if workload == "longtail":  # the same tasks (harder ones leave almost every group without a right answer)
+        s = dataclasses.replace(s, max_new_tokens=512, prompt_dir="", extraction="boxed_or_last_number")
     if small:
         s = dataclasses.replace(s, prompts=2, group_size=4, micro_batch=4,
                                 max_new_tokens=16 if workload == "short" else 48)
@@ -538,6 +536,8 @@ def flops_line(name: str, records: Sequence[StepRecord], cfg, spec, peak: float)
     if any(r.update_compile_s for r in rest):
         n = statistics.median(f / max(r.update_s - r.update_compile_s, 1e-9) for f, r in zip(fl, rest))
         net = f" ({n / 1e9:.1f} GFLOP/s = {100 * n / peak:.1f}% net of the update's JAX compiling)"
+    if not any(r.lengths for r in rest):
+        return f"{name} update: no row carried gradient (every group's rewards were equal): no useful FLOPs"
     return (f"{name} update: useful {statistics.median(fl) / 1e12:.3f} TFLOP/step over "
             f"{statistics.median(len(r.lengths) for r in rest):.0f} nonzero-advantage rows, "
             f"{rate / 1e9:.1f} GFLOP/s = {100 * rate / peak:.1f}% of the matmul peak{net}")

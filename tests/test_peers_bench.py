@@ -3,7 +3,6 @@ the peers extra (trl) is installed, a --small run of both sides."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import subprocess
 import sys
@@ -132,8 +131,7 @@ def test_bad_flags_are_argument_errors():
 def test_small_run_of_both_sides():
     """Runs TRL and marl_jax; only where the peers extra is installed (CI does not install it)."""
     pytest.importorskip("trl", reason="the peers extra is not installed: pip install -e \".[peers]\"")
-    env = dict(os.environ, MARL_JAX_MALLOC="off")
-    p = subprocess.run([sys.executable, str(SCRIPT), "--small", "--workload=short"], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, str(SCRIPT), "--small", "--workload=short"], cwd=ROOT,
                        capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = p.stdout
