@@ -118,15 +118,17 @@ def test_default_chunk_keeps_short_prompts_in_one_pass(models):
 @pytest.mark.parametrize("family,chunk", [("qwen3", 16), ("llama", 24), ("qwen2", 20)])
 def test_greedy_matches_transformers_in_chunks(models, family, chunk):
     """Prompts of 5 to 83 tokens (one repeated), prefilled in chunks that split them mid-way: transformers'
-    greedy tokens, and the unchunked sampler's tokens and log-probs."""
+    greedy tokens, and the unchunked sampler's tokens and log-probs from as many compiled programs."""
     cfg, params, model = models(family)
     prompts = prompts_of(LENGTHS, cfg.vocab_size) + prompts_of(LENGTHS[:1], cfg.vocab_size)
     s = Sampler(cfg, pad_id=PAD, prefill_chunk=chunk, share_prefix=False, prefix_cache_tokens=0)
     out = s.generate(params, prompts, jax.random.PRNGKey(0), GREEDY)
     assert len(pf.chunk_starts(length_bucket(max(LENGTHS)), chunk)) >= 4
     assert_hf_greedy(model, prompts, out)
-    ref = Sampler(cfg, pad_id=PAD, share_prefix=False, prefix_cache_tokens=0).generate(
-        params, prompts, jax.random.PRNGKey(0), GREEDY)
+    plain = Sampler(cfg, pad_id=PAD, share_prefix=False, prefix_cache_tokens=0)
+    ref = plain.generate(params, prompts, jax.random.PRNGKey(0), GREEDY)
+    compiled = lambda x: {k: f._cache_size() for k, f in x._fns.items()}
+    assert compiled(s) == compiled(plain)  # the chunk loop runs inside the same programs
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
 
