@@ -541,6 +541,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         ladder = length_ladder(T, ucfg.length_buckets, ucfg.length_grid) if batch.length is not None else (T,)
 
         def compute(carry, xs):
+            """One item inside the scan: its packed shape or window chosen by a switch, then accumulated."""
             acc, num_total, mixed = carry
             r, w, grp, slot = xs
             mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
@@ -565,6 +566,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                     (role_stats(aux, r, w, grp, W) if ucfg.metrics else None))
 
         def body(carry, xs):
+            """compute, or nothing for an item of padding only."""
             stats_shape = jax.eval_shape(lambda c, x: compute(c, x)[1], carry, xs)
             skip = lambda c, x: (c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
             return jax.lax.cond(jnp.any(xs[1] > 0), compute, skip, carry, xs)
@@ -584,6 +586,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                      else _sharded_jit(fused, mesh, rules))
     if ucfg.program in ("auto", "items"):
         def items_step(state, base, batch):
+            """The step, item by item (a token budget packs each item itself; fixed micro-batches are packed first)."""
             return itemwise(state, base, batch if budget else pack(batch))
         # compiled item programs so far
         items_step.item_programs = lambda: programs["item"]._cache_size() if programs else 0
@@ -593,6 +596,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         return fn
 
     def packed_step(state, base, batch):
+        """The fused step over a packed batch."""
         batch = pack(batch)
         # Compile only the packed shapes this batch's items take (every shape would be many branches).
         length, shape = np.asarray(batch.length), np.asarray(batch.pack_shape)
