@@ -636,9 +636,12 @@ def run_workload(args, s: Settings, m, hf_dir: str, peaks: list[float]) -> dict[
                   + "; ".join(f"{k} {a!r}" + ("" if a == b else f" | {b!r} DIFFERS") for k, a, b in pairs))
             trainer.train()
         elif marl is not None:
+            pairs = paired_settings(marl.trainer.c, trl_kwargs(s, "", args.steps), lora_kwargs(s))
+            differ = [(k, a, b) for k, a, b in pairs if a != b]
+            print("settings (marl_jax | the GRPOConfig / LoraConfig arguments TRL would get): "
+                  + "; ".join(f"{k} {a!r}" + ("" if a == b else f" | {b!r} DIFFERS") for k, a, b in pairs))
             for _ in range(args.steps):
                 marl.step()
-            differ = []
         # What each side sampled from, step by step: the same prompts, each group_size times.
         for name, recs in (("marl_jax", marl.records if marl else None), ("TRL", trl_records)):
             if recs is None:
