@@ -189,7 +189,8 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
         h = decoder.forward(p, cfg, rows["pack_tokens"] if packed else rows["tokens"], None if packed else rows["valid"],
                             lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype, return_hidden=True,
                             remat=remat or ucfg.remat, mesh=mesh, rules=rules,
-                            segments=rows["pack_segments"] if packed else None, unroll=ucfg.unroll)
+                            segments=rows["pack_segments"] if packed else None, unroll=ucfg.unroll,
+                            right_padded=not packed)  # batch rows: prompt + completion, then padding
         if packed:  # each row's scored positions, read back from where its row was laid in the packed sequences
             pos = rows["pack_off"][:, None] + idx
             if "pack_share" in rows:  # positions inside a shared prefix are read from its one copy
