@@ -97,6 +97,10 @@ class Settings:
                          ("operators", ("+",)), ("allow_parentheses", False), ("allow_negation", False))
     extraction: str = "last_number"
     seed: int = 0
+    # How each side saves activation memory in the backward pass (its own mechanism; same gradients):
+    # marl_jax grpo.remat, TRL gradient_checkpointing. Short rows fit without recomputing much.
+    remat: str = "dots"
+    trl_checkpointing: bool = False
 
     @property
     def rows(self) -> int:
@@ -109,7 +113,11 @@ def workload_settings(workload: str, small: bool = False, **overrides: Any) -> S
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     s = Settings(workload=workload)
     if workload == "longtail":  # the same tasks (harder ones leave almost every group without a right answer)
-        s = dataclasses.replace(s, max_new_tokens=512, prompt_dir="", extraction="boxed_or_last_number")
+        # ~600-token rows: without recomputation one process holding both sides ran out of 23 GiB here;
+        # marl_jax picks per token window the least recomputation within its activation budget, TRL
+        # checkpoints every layer (its default)
+        s = dataclasses.replace(s, max_new_tokens=512, prompt_dir="", extraction="boxed_or_last_number",
+                                remat="auto", trl_checkpointing=True)
     if small:
         s = dataclasses.replace(s, prompts=2, group_size=4, micro_batch=4,
                                 max_new_tokens=16 if workload == "short" else 48)
@@ -144,6 +152,7 @@ def marl_config(s: Settings):
                   # fraction) do: TRL computes and logs them every step
                   diagnostics=False, metrics=True)
     c.grpo.kl_coef.generator = s.kl_coef
+    c.grpo.remat = s.remat
     c.optim.update(lr=s.lr, weight_decay=s.weight_decay, grad_clip=s.grad_clip, schedule="constant",
                    warmup_steps=0)
     c.train.update(seed=s.seed, tensorboard=False, plots=False)
@@ -166,7 +175,7 @@ def trl_kwargs(s: Settings, output_dir: str, steps: int) -> dict[str, Any]:
         chat_template_kwargs={"enable_thinking": False},  # as marl_jax renders every prompt
         shuffle_dataset=False,  # the tasks in dataset order: step k gets the same tasks as marl_jax's step k
         bf16=False, fp16=False, use_cpu=True,
-        gradient_checkpointing=False,  # TRL's default is on; off is faster here (activations fit)
+        gradient_checkpointing=s.trl_checkpointing,  # TRL's default is on; off is faster where activations fit
         eval_strategy="no", save_strategy="no", report_to="none", logging_steps=1, disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0, remove_unused_columns=False)
 
@@ -235,7 +244,18 @@ def paired_settings(mc, tk, lk) -> list[tuple[str, Any, Any]]:
     ]
 
 
-# What still differs with every setting above equal: how each implementation samples, lays out and scores.
+def implementation_differences(s: Settings) -> list[str]:
+    """What still differs with every paired setting equal: how each implementation samples, lays out, scores
+    and recomputes."""
+    remat = {"none": "keeps every activation", "dots": "keeps matmul outputs, recomputes the rest",
+             "full": "recomputes each layer", "auto": "per token window, the least recomputation whose "
+             "activations fit grpo.remat_budget_gb"}[s.remat]
+    ckpt = "recomputes each layer" if s.trl_checkpointing else "keeps every activation"
+    return list(IMPLEMENTATION_DIFFERENCES) + [
+        f"backward recomputation: marl_jax grpo.remat={s.remat} ({remat}); TRL "
+        f"gradient_checkpointing={s.trl_checkpointing} ({ckpt})"]
+
+
 IMPLEMENTATION_DIFFERENCES = (
     "sampling: each side has its own sampler and random stream, so completions, rewards and generated tokens "
     "differ step by step; TRL: transformers generate over all rows left-padded in one batch until the longest "
@@ -248,8 +268,6 @@ IMPLEMENTATION_DIFFERENCES = (
     "padding: TRL pads every row to the batch's longest prompt + longest completion and computes every position; "
     "marl_jax runs each micro-batch over a token window, rows packed end to end and a group's shared prompt "
     "laid over one copy (grpo.packing, share_prefix=16 of the CPU preset)",
-    "backward recomputation: marl_jax grpo.remat=dots (keeps matmul outputs); TRL gradient_checkpointing=False "
-    "(keeps every activation)",
     "micro-batch membership: TRL shuffles the rows before splitting them; marl_jax orders them by length "
     "(same loss: equal micro-batch sizes, seq-mean-token-mean over all rows)",
     "per-step extras: marl_jax grpo.metrics (entropy, clip fraction; diagnostics off); TRL logs entropy, clip "
@@ -342,6 +360,19 @@ class StepRecord:
 
 
 COMPILE_S = [0.0]  # seconds JAX spent compiling so far (count_compiles)
+
+
+def release_memory() -> None:
+    """Between steps, outside the timings: collect garbage and hand glibc's free heap pages back to the OS
+    (one process holds both sides; what one frees should not stay pinned in the heap while the other runs)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def count_compiles() -> None:
@@ -622,7 +653,8 @@ def run_workload(args, s: Settings, m, hf_dir: str, peaks: list[float]) -> dict[
         if args.sides in ("both", "trl"):
             trainer, trl_records = build_trl(s, hf_dir, [t for b in batches for t in b], args.steps, args.threads,
                                              os.path.join(work, "trl"), spec, initial,
-                                             after_step=marl.step if marl is not None else None)
+                                             after_step=(lambda: (release_memory(), marl.step(), release_memory()))
+                                             if marl is not None else release_memory)
             # Before any step: TRL's tokenization of every task's chat against marl_jax's rendering.
             flat = [t for b in batches for t in b]
             diff = prompt_difference([marl_prompt_ids(wf, m.tokenizer, t) for t in flat],
@@ -680,7 +712,7 @@ def run_workload(args, s: Settings, m, hf_dir: str, peaks: list[float]) -> dict[
               "backward = 1x base linears and LM head (frozen: activation gradients) + 2x attention + 2x LoRA; rows "
               "with zero advantage carry no gradient and are not counted")
         print("still differs:" + "".join(f"\n  - {k}: marl_jax {a!r}, TRL {b!r}" for k, a, b in differ)
-              + "".join(f"\n  - {d}" for d in IMPLEMENTATION_DIFFERENCES))
+              + "".join(f"\n  - {d}" for d in implementation_differences(s)))
         if "marl_jax" in out and "trl" in out:
             tr, mj = out["trl"], out["marl_jax"]
             out["speedup"] = sp = tr["step_s"] / mj["step_s"]

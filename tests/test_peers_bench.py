@@ -42,6 +42,10 @@ def test_workloads_and_overrides():
     short, long = bench.workload_settings("short"), bench.workload_settings("longtail")
     assert (short.prompts, short.group_size, short.max_new_tokens) == (8, 8, 64)
     assert long.max_new_tokens == 512 and long.prompt_dir == "" and short.prompt_dir == "compact"
+    # long rows: both sides recompute activations in the backward pass, each its own way
+    assert (short.remat, short.trl_checkpointing, long.remat, long.trl_checkpointing) == ("dots", False, "auto", True)
+    assert bench.marl_config(long).grpo.remat == "auto" and bench.trl_kwargs(long, "", 1)["gradient_checkpointing"]
+    assert any("grpo.remat=auto" in d for d in bench.implementation_differences(long))
     small = bench.workload_settings("longtail", small=True)
     assert small.rows < long.rows and small.max_new_tokens < long.max_new_tokens
     assert bench.workload_settings("short", max_new_tokens=32, prompts=None).max_new_tokens == 32
