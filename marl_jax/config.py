@@ -63,6 +63,12 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # Prompts are prefilled in chunks of at most prefill_chunk tokens against the cache: prefill memory
         # grows linearly with the prompt, not quadratically; same completions (marl_jax.generate.prefill)
         prefill_chunk=2048,
+        # KV budget (vLLM's memory-bounded scheduling): > 0 fixes the paged pool at this many GiB per device
+        # (the cache is then paged); rows are admitted while their blocks fit and, when the pool runs dry
+        # mid-decode, the last admitted rows are preempted and later recomputed: same completions. max_batch is
+        # the most rows decoding at once (vLLM's max_num_seqs); max_batched_tokens > 0 caps the prompt tokens a
+        # refill prefills next to the running rows' decode tokens (vLLM's max_num_batched_tokens). 0: off.
+        kv_budget_gb=0.0, max_batched_tokens=0,
     ))
     c.advantage = ml_collections.ConfigDict(dict(standardize=True, eps=1e-6))
     c.grpo = ml_collections.ConfigDict(dict(
@@ -221,6 +227,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     elif c.grpo.share_prefix and not c.grpo.packing:
         errors.append(f"--config.grpo.share_prefix={c.grpo.share_prefix} lays rows over shared prefixes in packed "
                       "sequences: add --config.grpo.packing=true")
+    for key in ("kv_budget_gb", "max_batched_tokens"):
+        if c.rollout[key] < 0:
+            errors.append(f"--config.rollout.{key} must be >= 0 (0 = off), got {c.rollout[key]}")
     if c.grpo.max_tokens_per_micro_batch < 0:
         errors.append("--config.grpo.max_tokens_per_micro_batch must be >= 0 (0 = off: grpo.micro_batch rows per "
                       f"micro-batch), got {c.grpo.max_tokens_per_micro_batch}")
