@@ -118,6 +118,11 @@ def length_bucket(n: int, minimum: int = 16) -> int:
         b *= 2
 
 
+def resume_slots(g: int) -> int:
+    """Cache slots after the prompt that a preempted row's re-prefill covers: its g - 1 tokens, bucketed."""
+    return length_bucket(max(g - 1, 1))
+
+
 def _batch_bucket(n: int, minimum: int = 1, multiple: int = 1, per_octave: int = 2) -> int:
     """Batch size for n rows: `multiple` (the data axis) times 1, 2, 3, 4, 6, 8, 12, ... (2^k and 3 * 2^k),
     at least `minimum`. The 1.5x steps halve the rows compaction pays for between buckets, against
@@ -365,7 +370,8 @@ class Sampler:
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
                  rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True,
                  paged: bool = False, kv_block: int = 16, compaction_buckets: int = 16,
-                 compaction_patience: int = 64, prefill_chunk: int = PREFILL_CHUNK):
+                 compaction_patience: int = 64, prefill_chunk: int = PREFILL_CHUNK, kv_budget_bytes: int = 0,
+                 max_batched_tokens: int = 0, check_blocks: bool = False):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
@@ -381,10 +387,18 @@ class Sampler:
         self.share_prefix = share_prefix
         if kv_block < 1:
             raise ValueError(f"kv_block must be >= 1, got {kv_block}")
-        self.paged, self.kv_block = paged, kv_block
+        if kv_budget_bytes < 0 or max_batched_tokens < 0:
+            raise ValueError(f"kv_budget_bytes and max_batched_tokens must be >= 0 (0 = off), got "
+                             f"{kv_budget_bytes}, {max_batched_tokens}")
+        # A KV budget fixes the paged pool's size: rows are admitted while their blocks fit and preempted
+        # (recomputed later) when it runs dry, so the budget needs the paged cache.
+        self.kv_budget_bytes, self.max_batched_tokens = int(kv_budget_bytes), int(max_batched_tokens)
+        self.paged, self.kv_block = paged or self.kv_budget_bytes > 0, kv_block
+        self.check_blocks = check_blocks  # tests: check the pool's bookkeeping at every host step
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
+        # A refill's prefill shares max_batched_tokens with the running rows: no chunk is longer.
+        self.prefill_chunk = min(prefill_chunk, max_batched_tokens) if max_batched_tokens else prefill_chunk
         if compaction_buckets < 1:
             raise ValueError(f"compaction_buckets must be >= 1, got {compaction_buckets}")
         if compaction_patience < 1:
@@ -417,7 +431,8 @@ class Sampler:
             return self._fns[key_]
         cfg = self.cfg
 
-        def prefill(params, trainable, slot, prefix, tokens, valid, offset, expand, max_len, row_id, key, pool):
+        def prefill(params, trainable, slot, prefix, tokens, valid, offset, expand, max_len, row_id, key, pool,
+                    resume=None):
             """Prefill the distinct prompts, then copy each row's prompt cache (`expand` [B] indexes them).
 
             prefix [C] holds tokens every distinct prompt starts with (C may be 0); tokens [Bu, S] holds the
@@ -430,7 +445,12 @@ class Sampler:
             is loaded there instead of computed (then C = 0).
 
             The prefix and the rests run in chunks of prefill_chunk tokens (marl_jax.generate.prefill), so a
-            long prompt's attention scores are [Bu, heads, chunk, C + S], not [Bu, heads, S, S]."""
+            long prompt's attention scores are [Bu, heads, chunk, C + S], not [Bu, heads, S, S].
+
+            resume (or None) = (gen [B, G], out_tokens [B, Tn], out_logp [B, Tn], g [B]): rows preempted after
+            generating g > 0 tokens (0: a fresh row). Their first g - 1 tokens (gen, from slot C + S on) are
+            prefilled after the prompt, row by row, and they continue from token g - 1 with their step, tokens
+            and log-probs as they were: the decode loop then goes on exactly as if they had never stopped."""
             Bu, S = tokens.shape
             C = prefix.shape[0]
             params, lo = self._select(params, trainable, slot)
@@ -460,8 +480,19 @@ class Sampler:
             active = (row_id >= 0) & ~jnp.isin(tok, jnp.asarray(sp.stop_ids or (-1,), jnp.int32)) & (max_len > 1)
             out_tokens = jnp.full((B, out_len), self.pad_id, jnp.int32).at[:, 0].set(tok)
             out_logp = jnp.zeros((B, out_len), jnp.float32).at[:, 0].set(lp)
-            state = DecodeState(cache, tok, positions[:, -1] + 1, jnp.ones(B, jnp.int32), active, out_tokens,
-                                out_logp, row_id, max_len)
+            pos, step = positions[:, -1] + 1, jnp.ones(B, jnp.int32)
+            if resume is not None:
+                gen, prev_tokens, prev_logp, g = resume
+                G = gen.shape[1]
+                gvalid = jnp.arange(G)[None] < (g - 1)[:, None]
+                _, cache = chunked(gen, pos[:, None] + jnp.arange(G)[None], gvalid, cache, C + S, window=C + S + G)
+                res = g > 0
+                tok = jnp.where(res, jnp.take_along_axis(prev_tokens, jnp.maximum(g - 1, 0)[:, None], 1)[:, 0], tok)
+                out_tokens = jnp.where(res[:, None], prev_tokens, out_tokens)
+                out_logp = jnp.where(res[:, None], prev_logp, out_logp)
+                active = jnp.where(res, row_id >= 0, active)
+                pos, step = pos + jnp.maximum(g - 1, 0), jnp.where(res, g, step)
+            state = DecodeState(cache, tok, pos, step, active, out_tokens, out_logp, row_id, max_len)
             return self._constrain(state)
 
         fn = jax.jit(prefill)
@@ -578,7 +609,8 @@ class Sampler:
                       "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "fine_compactions": 0,
                       "refills": 0, "stored_tokens": 0, "peak_kv_bytes": 0}
         if self.paged:
-            self.stats.update(peak_kv_live_bytes=0, pool_grows=0)
+            self.stats.update(peak_kv_live_bytes=0, pool_grows=0, preemptions=0, recomputed_tokens=0,
+                              recomputed_prompt_tokens=0, resumed_rows=0, resume_prefills=0)
         if self.prefix_cache is not None:
             self.prefix_cache.bind(params, trainable)
         self._prompts = prompts
@@ -616,9 +648,12 @@ class Sampler:
         S = length_bucket(max(len(p) - cached.get(p, 0) for p in uniq))
         return dict(hits=hits, cached=cached, C=C, S=S, P=C + S, prefix=prefix)
 
-    def _prefill(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, B, key, cache_len=None):
+    def _prefill(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, B, key, cache_len=None,
+                 gens=None):
         """Prefill `prompts` (rows row_ids) into a fresh state of B rows laid out by `plan`, with a dense cache
-        of cache_len slots (default: the prompt and every new token; the paged path takes the prompt only)."""
+        of cache_len slots (default: the prompt and every new token; the paged path takes the prompt only).
+        gens (or None): per row, None or the (tokens, log-probs) it generated before it was preempted; those
+        rows' tokens but the last are prefilled after the prompt (the cache then needs P + G slots)."""
         n = len(prompts)
         uniq: dict[tuple, int] = {}
         expand = np.zeros(B, np.int32)
@@ -640,6 +675,17 @@ class Sampler:
                 src[u, j * pc.block:(j + 1) * pc.block] = b * pc.block + np.arange(pc.block)
         valid[len(uniq):, -1] = True  # filler rows: one dummy token so their softmax is well defined
         pool = (pc.k, pc.v, jnp.asarray(src)) if hits else None
+        resume, G = None, 0
+        if gens is not None and any(x is not None for x in gens):
+            g = np.zeros(B, np.int32)
+            prev_t = np.full((B, Tn), self.pad_id, np.int32)
+            prev_l = np.zeros((B, Tn), np.float32)
+            for i, x in enumerate(gens):
+                if x is not None:
+                    g[i] = len(x[0])
+                    prev_t[i, :g[i]], prev_l[i, :g[i]] = x
+            G = resume_slots(int(g.max()))
+            resume = (jnp.asarray(prev_t[:, :G]), jnp.asarray(prev_t), jnp.asarray(prev_l), jnp.asarray(g))
         rid = np.full(B, -1, np.int32)
         rid[:n] = row_ids
         max_len = np.zeros(B, np.int32)
@@ -648,11 +694,19 @@ class Sampler:
         state = self._prefill_fn(sp, cache_len or plan["P"] + Tn, Tn)(
             params, trainable, jnp.int32(slot), jnp.asarray(np.asarray(plan["prefix"], np.int32)), jnp.asarray(tokens),
             jnp.asarray(valid), jnp.asarray(offset), jnp.asarray(expand), jnp.asarray(max_len), jnp.asarray(rid),
-            key, pool)
+            key, pool, resume)
         jax.block_until_ready(state.token)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_rows"] += len(uniq)
         self.stats["prefill_tokens"] += len(plan["prefix"]) + sum(len(p) - cached.get(p, 0) for p in uniq)
+        if resume is not None:  # preempted rows computed again: their prompts (once per distinct one) and tokens
+            gen_tokens = sum(len(x[0]) - 1 for x in gens if x is not None)
+            again = sum(len(p) - cached.get(p, 0) for p in {tuple(p) for p, x in zip(prompts, gens) if x is not None})
+            self.stats["prefill_tokens"] += gen_tokens
+            self.stats["recomputed_tokens"] += gen_tokens + again
+            self.stats["recomputed_prompt_tokens"] += again
+            self.stats["resumed_rows"] += sum(x is not None for x in gens)
+            self.stats["resume_prefills"] += 1
         self.stats["prompt_tokens"] += sum(len(p) for p in uniq)
         if hits:
             self.stats["cached_tokens"] += sum(cached.get(p, 0) for p in uniq)
@@ -668,27 +722,40 @@ class Sampler:
         plan = self._plan(prompts, slot_id)
         P = plan["P"]
         self._layout = {}
+        self._gens: dict[int, tuple] = {}  # local index -> (tokens, log-probs) of a preempted row, until it resumes
+        self._admitted: dict[int, int] = {}  # global row id -> admission order (the last admitted is preempted first)
+        self._local = {int(r): i for i, r in enumerate(row_ids)}
         B = _batch_bucket(min(len(prompts), self.max_batch), self.min_batch, self.data_size)
-        first = min(len(prompts), B)
+        queue = collections.deque(range(len(prompts)))  # rows not started, preempted ones in front
         if self.paged:  # an empty paged state, then the first rows go in as a refill would put them
-            state = self._empty_paged(B, P, Tn, sp, prompts[:first])
-            state = self._admit(params, trainable, slot, plan, sp, Tn, prompts[:first], row_ids[:first],
-                                limits[:first], np.arange(first), state, key)
+            state = self._empty_paged(B, P, Tn, sp, prompts[:B])
+            if self.kv_budget_bytes:
+                self._refuse_oversized(prompts, limits, plan, state)
+            state, _ = self._refill(params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, queue,
+                                    np.arange(B), state, key)
         else:
+            first = min(len(prompts), B)
             state = self._prefill(params, trainable, slot, plan, sp, Tn, prompts[:first], row_ids[:first],
                                   limits[:first], B, key)
-        waiting = first  # prompts[waiting:] have not started
+            for _ in range(first):
+                queue.popleft()
         slot = jnp.int32(slot)
         t0 = time.perf_counter()
-        steps = np.ones(B, np.int32)
         stuck = None  # paged over several shards: live rows that could not be compacted (one shard too full)
+        blocked = False  # the KV budget left waiting rows out: decode until a row finishes and frees blocks
         phase = 0  # tail steps decoded since the batch last changed size
         big = np.iinfo(np.int32).max
         while True:
             B = state.active.shape[0]
+            if self.paged and self.kv_budget_bytes:  # preempt the last admitted rows if the next step lacks blocks
+                state = self._make_room(state, P, queue)
+            active = to_host(state.active)
+            steps = np.where(active, to_host(state.step), 1)
             budget = big
-            if waiting < len(prompts):  # exit to refill once an eighth of the rows are free
+            if queue:  # exit to refill once an eighth of the rows are free
                 exit_at = B - max(1, B // 8)
+                if blocked:
+                    exit_at = min(exit_at, int(active.sum()) - 1)
             elif self.compaction:  # exit to compact once the live rows fit the next smaller (coarse) bucket
                 exit_at = _next_smaller_bucket(B, self.min_batch, self.data_size, self.coarse)
                 if stuck is not None:
@@ -697,20 +764,22 @@ class Sampler:
                     budget = max(self.patience - phase, 1)
             else:
                 exit_at = 0
-            window = next(w for w in self._windows(P, Tn) if w >= P + steps.max())
-            if self.paged:
-                window = min(-(-window // self.kv_block) * self.kv_block, state.cache.valid.shape[1])
-                state = self._ensure_blocks(state, self._blocks_wanted(state, P))
-            state, it = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(exit_at),
-                                                       jnp.int32(budget))
-            self._count_kv(state)  # after decode: the most blocks held since the last exit
-            active, steps = to_host(state.active), to_host(state.step)
-            steps = np.where(active, steps, 1)
-            self.stats["decode_steps"] += int(it)
-            self.stats["row_steps"] += int(it) * B
-            if waiting >= len(prompts):
-                phase += int(it)
-            if not active.any() and waiting >= len(prompts):
+            if active.sum() > exit_at:
+                window = next(w for w in self._windows(P, Tn) if w >= P + steps.max())
+                if self.paged:
+                    window = min(-(-window // self.kv_block) * self.kv_block, state.cache.valid.shape[1])
+                    state = self._ensure_blocks(state, self._blocks_wanted(state, P))
+                state, it = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(exit_at),
+                                                           jnp.int32(budget))
+                self._count_kv(state)  # after decode: the most blocks held since the last exit
+                active = to_host(state.active)
+                self.stats["decode_steps"] += int(it)
+                self.stats["row_steps"] += int(it) * B
+                if not queue:
+                    phase += int(it)
+            if self.check_blocks and self.paged:
+                self._check_blocks(state)
+            if not active.any() and not queue:
                 self._harvest(state, out, slot_id, final=True)
                 if self.paged:
                     self._check_blocks(state)
@@ -721,28 +790,19 @@ class Sampler:
                 fine = _batch_bucket(int(active.sum()), self.min_batch, self.data_size, self.per_octave) < B
                 phase = 0 if not fine else phase
             if active.sum() > exit_at and not fine:
-                continue  # only the window moved (or the block pool needs to grow)
+                continue  # only the window moved (or the block pool needs to grow, or rows must be preempted)
             state = self._harvest(state, out, slot_id)
-            if waiting < len(prompts):
-                # Refill: waiting prompts take the finished rows' places.
-                free = np.flatnonzero(~active)
-                take = min(len(free), len(prompts) - waiting)
+            if queue:
+                # Refill: waiting rows take the finished rows' places, as many as the KV budget holds.
                 t1 = time.perf_counter()
-                batch = slice(waiting, waiting + take)
-                if self.paged:
-                    state = self._admit(params, trainable, int(slot), plan, sp, Tn, prompts[batch], row_ids[batch],
-                                        limits[batch], free[:take], state, key)
-                else:
-                    Bg = _batch_bucket(take, 1, self.data_size)
-                    new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts[batch], row_ids[batch],
-                                        limits[batch], Bg, key)
-                    dest = np.full(Bg, B, np.int32)
-                    dest[:take] = free[:take]
-                    state = self._insert_fn()(state, new, jnp.asarray(dest))
+                state, taken = self._refill(params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, queue,
+                                            np.flatnonzero(~active), state, key)
+                blocked = taken == 0
+                if taken == 0 and not active.any():
+                    raise RuntimeError("the KV budget holds no waiting row although no row is running "
+                                       "(a bug: rows that cannot fit alone are refused before sampling)")
                 t0 += time.perf_counter() - t1  # prefill time is counted apart
-                waiting += take
-                steps = np.where(np.isin(np.arange(B), free[:take]), 1, steps)
-                self.stats["refills"] += 1
+                self.stats["refills"] += int(taken > 0)
                 continue
             # Compact: live rows first, then fillers, into the next smaller bucket.
             live = np.flatnonzero(active)
@@ -760,10 +820,112 @@ class Sampler:
                 idx = np.concatenate([live, fill]).astype(np.int32)
                 keep = np.arange(newB) < len(live)
             state = self._gather_fn()(state, jnp.asarray(idx), jnp.asarray(keep))
-            steps = steps[idx]
             self.stats["compactions"] += 1
             self.stats["fine_compactions"] += int(fine)
         self.stats["decode_s"] += time.perf_counter() - t0
+
+    # ---- admission under the KV budget and the token cap, preemption by recompute ----
+    def _refill(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, queue, free, state, key):
+        """Admit rows from the front of `queue` into batch rows `free`: as many as the free rows, the token cap
+        (max_batched_tokens: prompt tokens to prefill, beside one decode token per running row) and, paged under a
+        KV budget, the free blocks hold (keeping the blocks the running rows take on their next step and a 1%
+        watermark). Returns (state, rows admitted)."""
+        n = min(len(free), len(queue))
+        if n == 0:
+            return state, 0
+        cand = [queue[i] for i in range(n)]
+        gens = [self._gens.get(i) for i in cand]
+        glen = [0 if x is None else len(x[0]) for x in gens]
+        if self.max_batched_tokens:
+            live = int((to_host(state.row_id) >= 0).sum())
+            cost = np.cumsum([len(prompts[i]) - plan["cached"].get(tuple(prompts[i]), 0) + max(g - 1, 0)
+                              for i, g in zip(cand, glen)])
+            n = max(1, int((cost <= self.max_batched_tokens - live).sum()))
+        if self.paged and self.kv_budget_bytes:
+            c = state.cache
+            B, M, D = state.active.shape[0], c.table.shape[1], c.shards
+            shard = np.asarray(free[:n]) // (B // D)
+            spans = [self._spans(prompts[i], plan["cached"].get(tuple(prompts[i]), 0), plan["P"], M, g)
+                     for i, g in zip(cand[:n], glen)]
+            need = self._admission_need(shard, [prompts[i] for i in cand[:n]], spans, plan["P"], D)
+            room = to_host(c.top) - self._blocks_wanted(state, plan["P"]) - max(1, (c.k.shape[2] - 1) // 100)
+            fits = (need <= room[None]).all(1)
+            n = int(np.argmin(fits)) if not fits.all() else n  # the longest prefix that fits
+        if n == 0:
+            return state, 0
+        take = [queue.popleft() for _ in range(n)]
+        for i in take:
+            self._admitted[int(row_ids[i])] = len(self._admitted)
+        idx = np.asarray(take)
+        sub = [prompts[i] for i in take]
+        gens = [self._gens.pop(i, None) for i in take]
+        if self.paged:
+            state = self._admit(params, trainable, int(slot), plan, sp, Tn, sub, row_ids[idx], limits[idx],
+                                free[:n], state, key, gens)
+        else:
+            Bg = _batch_bucket(n, 1, self.data_size)
+            new = self._prefill(params, trainable, int(slot), plan, sp, Tn, sub, row_ids[idx], limits[idx], Bg, key)
+            dest = np.full(Bg, state.active.shape[0], np.int32)
+            dest[:n] = free[:n]
+            state = self._insert_fn()(state, new, jnp.asarray(dest))
+        return state, n
+
+    def _make_room(self, state: DecodeState, P: int, queue) -> DecodeState:
+        """Under a KV budget: while a shard's free blocks cannot serve its live rows' next step, preempt the row
+        admitted last in that shard (vLLM's recompute preemption): its tokens and log-probs so far are kept on
+        the host, its blocks go back, and it waits at the front of the queue to be prefilled again."""
+        need = self._blocks_wanted(state, P)
+        top = to_host(state.cache.top)
+        if (top >= need).all():
+            return state
+        rid, active = to_host(state.row_id), to_host(state.active)
+        D = state.cache.shards
+        per = len(rid) // D
+        victims = np.zeros(len(rid), bool)
+        while True:
+            short = np.flatnonzero(top < need)
+            if not len(short):
+                break
+            d = int(short[0])
+            rows = [b for b in range(d * per, (d + 1) * per) if rid[b] >= 0 and active[b] and not victims[b]]
+            victim = max(rows, key=lambda b: self._admitted[int(rid[b])])
+            victims[victim] = True
+            state = self._preempt(state, victim, queue)
+            need, top = self._blocks_wanted(state, P), to_host(state.cache.top)
+        self.stats["preemptions"] += int(victims.sum())
+        return state
+
+    def _preempt(self, state: DecodeState, b: int, queue) -> DecodeState:
+        r = int(to_host(state.row_id)[b])
+        g = int(to_host(state.step)[b])
+        self._gens[self._local[r]] = (to_host(state.out_tokens)[b, :g].copy(), to_host(state.out_logp)[b, :g].copy())
+        queue.appendleft(self._local[r])
+        done = np.zeros(state.active.shape[0], bool)
+        done[b] = True
+        return self._release(state, done)
+
+    def _refuse_oversized(self, prompts, limits, plan, state: DecodeState):
+        """A row whose prompt and completion need more blocks than the budget's pool holds would never run:
+        refuse the call before sampling, naming the knobs."""
+        c = state.cache
+        M, N = c.table.shape[1], c.k.shape[2]
+        worst = max(len(self._spans(p, plan["cached"].get(tuple(p), 0), plan["P"], M, int(n)))
+                    for p, n in zip(prompts, limits))
+        if worst > N - 1:
+            per = self._block_bytes()
+            raise ValueError(
+                f"one row needs {worst} KV blocks ({worst * per / 2**30:.3f} GiB: its prompt and up to "
+                f"{int(max(limits))} new tokens) but the KV budget holds {N - 1} "
+                f"({self.kv_budget_bytes / 2**30:.3f} GiB per device): raise --config.rollout.kv_budget_gb to at "
+                f"least {(worst + 1) * per / 2**30 * 1.01:.3f}, or lower --config.rollout.max_new_tokens or the "
+                "prompt's length")
+
+    def _block_bytes(self) -> int:
+        """Bytes of one KV block (keys and values, every layer) on one device: KV heads split over "model"."""
+        c = self.cfg
+        m = 1 if self.mesh is None else self.mesh.shape.get("model", 1)
+        heads = c.num_kv_heads // m if c.num_kv_heads % m == 0 else c.num_kv_heads
+        return 2 * c.num_layers * self.kv_block * heads * c.head_dim * jnp.dtype(self.dtype).itemsize
 
     def _count_kv(self, state: DecodeState):
         """Peak KV bytes: the decode cache as allocated (the pool, when paged) and, paged, the blocks in use."""
@@ -802,6 +964,8 @@ class Sampler:
         distinct = max([len({tuple(p) for p in first[d * (B // D):(d + 1) * (B // D)]}) for d in range(D)]
                        + [0]) if first else B // D
         blocks = paged_first_pool(B // D, distinct, P, Tn, blk)
+        if self.kv_budget_bytes:  # a fixed pool: the budget's blocks (block 0 the null one), at most a dense cache's
+            blocks = max(2, min(self.kv_budget_bytes // self._block_bytes(), 1 + (B // D) * (T // blk)))
         # Host bookkeeping of shared prompt blocks, by (shard, block): rows holding each, and the blocks of
         # each (shard, prompt).
         self._refs: dict[tuple, int] = {}
@@ -843,6 +1007,8 @@ class Sampler:
         top, N = to_host(c.top), c.k.shape[2]
         if (top >= need).all():
             return state
+        if self.kv_budget_bytes:  # admission and preemption keep within the fixed pool
+            raise RuntimeError(f"KV budget pool short of {need.tolist()} blocks with {top.tolist()} free")
         full = 1 + self._pool_rows * c.table.shape[1]
         newN = min(_batch_bucket(N + max(int((need - top).max()), N // 2), 16), full)
         if (newN - N + top < need).any():
@@ -862,36 +1028,53 @@ class Sampler:
             self._fns[key_] = jax.jit(grow)
         return self._fns[key_]
 
-    def _admit(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, dest, state, key):
-        """Paged: prefill `prompts` (a dense cache of the prompt slots only), give each row blocks of its shard
-        for the slots its prompt fills, and write the rows into batch rows `dest` of the running state."""
-        P, blk, n = plan["P"], self.kv_block, len(prompts)
-        Bg = _batch_bucket(n, 1, self.data_size)
-        new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts, row_ids, limits, Bg, key,
-                            cache_len=P)
-        c = state.cache
-        B, M, D = state.active.shape[0], c.table.shape[1], c.shards
-        shard = np.asarray(dest) // (B // D)
-        spans = []
-        for r, p in zip(row_ids, prompts):
-            cached, _ = self._layout[int(r)]
-            filled = np.zeros(M * blk, bool)  # slots [0, cached) and the rest right-aligned to P
-            filled[:cached] = True
-            filled[P - (len(p) - cached):P] = True
-            spans.append(np.flatnonzero(filled.reshape(M, blk).any(1)))
-        # Rows with the same prompt in the same shard (a task's episodes) share its blocks that lie wholly before
-        # slot P, which no row writes again; the block holding slot P, where completions start, is each row's own.
-        whole = P // blk
-        need = np.zeros(D, np.int64)
+    def _spans(self, p, cached: int, P: int, M: int, g: int = 0) -> np.ndarray:
+        """Blocks a row's cache fills when it is admitted: slots [0, cached), the rest of its prompt right-aligned
+        to P and, for a row preempted after g tokens, its g - 1 tokens from slot P on."""
+        blk = self.kv_block
+        filled = np.zeros(M * blk, bool)
+        filled[:cached] = True
+        filled[P - (len(p) - cached):P + max(g - 1, 0)] = True
+        return np.flatnonzero(filled.reshape(M, blk).any(1))
+
+    def _admission_need(self, shard, prompts, spans, P: int, D: int) -> np.ndarray:
+        """Fresh blocks each shard gives rows admitted in this order ([n, D], cumulative). Rows with the same
+        prompt in the same shard (a task's episodes) share its blocks that lie wholly before slot P, which no
+        row writes again; the block holding slot P, where completions start, is each row's own."""
+        whole = P // self.kv_block
+        need = np.zeros((len(prompts), D), np.int64)
+        acc = np.zeros(D, np.int64)
         fresh = set()
-        for d, p, js in zip(shard, prompts, spans):
+        for i, (d, p, js) in enumerate(zip(shard, prompts, spans)):
             key_p = (int(d), tuple(p))
             for j in js:
                 if j >= whole:
-                    need[d] += 1
+                    acc[d] += 1
                 elif j not in self._shared.get(key_p, {}) and (key_p, int(j)) not in fresh:
                     fresh.add((key_p, int(j)))
-                    need[d] += 1
+                    acc[d] += 1
+            need[i] = acc
+        return need
+
+    def _admit(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, dest, state, key, gens=None):
+        """Paged: prefill `prompts` (a dense cache of the prompt slots only, and of the tokens preempted rows had
+        generated, `gens`), give each row blocks of its shard for the slots it fills, and write the rows into batch
+        rows `dest` of the running state."""
+        P, blk, n = plan["P"], self.kv_block, len(prompts)
+        gens = gens if gens is not None else [None] * n
+        glen = [0 if x is None else len(x[0]) for x in gens]
+        G = resume_slots(max(glen)) if any(glen) else 0
+        Bg = _batch_bucket(n, 1, self.data_size)
+        new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts, row_ids, limits, Bg, key,
+                            cache_len=P + G, gens=gens + [None] * (Bg - n))
+        c = state.cache
+        B, M, D = state.active.shape[0], c.table.shape[1], c.shards
+        shard = np.asarray(dest) // (B // D)
+        spans = [self._spans(p, self._layout[int(r)][0], P, M, g) for r, p, g in zip(row_ids, prompts, glen)]
+        need = self._admission_need(shard, prompts, spans, P, D)[-1]
+        whole = P // blk
+        fresh = {(int(d), tuple(p), int(j)) for d, p, js in zip(shard, prompts, spans) for j in js
+                 if j < whole and j not in self._shared.get((int(d), tuple(p)), {})}
         state = self._ensure_blocks(state, need)
         c = state.cache
         lists = self._free_lists(c)
@@ -908,7 +1091,7 @@ class Sampler:
                 if j not in mine:
                     mine[j] = lists[d].pop()
                     self._block_key[(d, mine[j])] = key_p
-                if (key_p, int(j)) in fresh:  # filled by this call's prefill (identical for every row)
+                if (d, tuple(p), int(j)) in fresh:  # filled by this call's prefill (identical for every row)
                     write[u, j] = mine[j]
                 table[u, j] = mine[j]
                 self._refs[(d, mine[j])] = self._refs.get((d, mine[j]), 0) + 1
@@ -977,7 +1160,8 @@ class Sampler:
                 lists[d].append(b)
         table[done] = 0
         rid = np.where(done, -1, to_host(state.row_id)).astype(np.int32)
-        return state._replace(row_id=jnp.asarray(rid), cache=self._with_free(c._replace(table=jnp.asarray(table)), lists))
+        return state._replace(row_id=jnp.asarray(rid), active=jnp.asarray(to_host(state.active) & ~done),
+                              cache=self._with_free(c._replace(table=jnp.asarray(table)), lists))
 
     @staticmethod
     def _windows(P: int, Tn: int) -> tuple[int, ...]:
