@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--max_batch", type=int, default=64, help="longtail: rows decoding at once")
     p.add_argument("--paged", action="store_true", help="chat: marl_jax with the paged KV cache")
     p.add_argument("--kv_block", type=int, default=16, help="paged KV block size (slots)")
+    p.add_argument("--kv_budget_fraction", type=float, default=0.25,
+                   help="longtail: also run with a KV budget of this fraction of the dense cache (0: skip)")
     return p.parse_args(argv)
 
 
@@ -118,10 +120,28 @@ def longtail(args):
               + (f" allocated, {st['peak_kv_live_bytes'] / 2**20:.1f} MiB in blocks held by rows "
                  f"({st['pool_grows']} pool grows)" if "peak_kv_live_bytes" in st else "")
               + f" (a dense cache for all {n} rows: {dense / 2**20:.1f} MiB)")
+        if name == "continuous":
+            dense_kv = st["peak_kv_bytes"]
     a, b, c, d = (r[0] for r in res.values())
     print(f"identical completions with and without continuous batching: {bool((a.tokens == d.tokens).all())}; "
           f"paged and dense KV: {bool((a.tokens == b.tokens).all())}; "
           f"default and coarse compaction: {bool((a.tokens == c.tokens).all())}")
+    if args.kv_budget_fraction > 0:  # the same rows in a fixed pool of a fraction of the dense cache: preemption
+        budget = int(dense_kv * args.kv_budget_fraction)
+        s = Sampler(m.cfg, pad_id=0, prefix_cache_tokens=0, max_batch=args.max_batch, min_batch=1,
+                    kv_block=args.kv_block, kv_budget_bytes=budget)
+        s.generate(params, prompts, key, sp, max_new_tokens=limits)
+        t = time.perf_counter()
+        out_b = s.generate(params, prompts, key, sp, max_new_tokens=limits)
+        wall = time.perf_counter() - t
+        st = s.stats
+        print(f"marl_jax KV budget {budget / 2**20:.2f} MiB ({args.kv_budget_fraction:g} of the dense cache's "
+              f"{dense_kv / 2**20:.2f} MiB): wall {wall:.2f}s, {st['preemptions']} preemptions, "
+              f"{st['recomputed_tokens']} tokens recomputed, pool {st['peak_kv_bytes'] / 2**20:.2f} MiB, blocks held "
+              f"at most {st['peak_kv_live_bytes'] / 2**20:.2f} MiB; identical completions: "
+              f"{bool((out_b.tokens == a.tokens).all() and (out_b.lengths == a.lengths).all())}")
+        print(f"budget_over_unbudgeted={wall / res['continuous, paged KV'][1]:.2f} (paged), "
+              f"{wall / res['continuous'][1]:.2f} (dense)")
     out, jax_wall = res["continuous"]
     draws(args, m.cfg.vocab_size)
     if args.skip_hf:

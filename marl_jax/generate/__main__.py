@@ -23,6 +23,8 @@ flags.DEFINE_string("system", None, "System message (with --chat).")
 flags.DEFINE_integer("seed", 0, "PRNG seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 flags.DEFINE_bool("paged", False, "Paged KV cache (blocks held only where rows have tokens; same output).")
+flags.DEFINE_float("kv_budget_gb", 0.0, "Fix the paged KV pool at this many GiB: rows beyond it wait or are "
+                   "preempted and recomputed (same output); 0 = no budget.")
 # The default is marl_jax.generate.prefill.PREFILL_CHUNK (and rollout.prefill_chunk's), kept literal so that
 # --help does not import JAX.
 flags.DEFINE_integer("prefill_chunk", 2048, "Prompts are prefilled in chunks of at most this many tokens "
@@ -104,10 +106,12 @@ def main(argv):
                         top_k=FLAGS.top_k, stop_ids=tuple(tok.eos_token_ids))
     # min_batch=1: a single prompt decodes as one row (no training programs to share shapes with here).
     sampler = Sampler(m.cfg, dtype=dtype, pad_id=tok.pad_id, paged=FLAGS.paged, prefill_chunk=FLAGS.prefill_chunk,
-                      min_batch=1)
+                      min_batch=1, kv_budget_bytes=int(FLAGS.kv_budget_gb * 2**30))
     try:
         out = sampler.generate(params, prompts, jax.random.PRNGKey(FLAGS.seed), sp)
     except Exception as e:  # the estimate was short: still no raw XLA traceback
+        if isinstance(e, ValueError) and "KV budget" in str(e):
+            sys.exit(str(e).replace("--config.rollout.", "--"))
         if not _resource_exhausted(e):
             raise
         sys.exit(f"marl_jax.generate: out of memory after an estimate of {est['total'] / GIB:.2f} GiB "

@@ -113,7 +113,9 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
                       kv_block=int(config.rollout.kv_block),
                       compaction_buckets=int(config.rollout.compaction_buckets),
                       compaction_patience=int(config.rollout.compaction_patience),
-                      prefill_chunk=int(config.rollout.prefill_chunk))
+                      prefill_chunk=int(config.rollout.prefill_chunk),
+                      kv_budget_bytes=int(float(config.rollout.get("kv_budget_gb", 0.0)) * 2**30),
+                      max_batched_tokens=int(config.rollout.get("max_batched_tokens", 0)))
     all_tasks = tasks if tasks is not None else load_tasks(config.task)
     train, val = split(list(all_tasks), config.task.val_size)
     return Runtime(config, model, base, mesh, rules, workflow, roles, mapping, spec, sampler, train, val,
