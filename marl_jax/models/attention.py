@@ -416,9 +416,9 @@ def paged_decode(q, k_pool, v_pool, layer, table, lengths, *, interpret: bool = 
         qs = (q[:, 0] * (1.0 / math.sqrt(hd))).astype(q.dtype)
         qw = jnp.where(own[None, :, :, None], qs[:, :, None, :], 0).reshape(Bl, Hq_l, Hkv * hd)
         shard = jnp.arange(Bl) // (Bl // D)
-        pages = (layer * D + shard[:, None]) * N + table
-        kp = k_pool.reshape(1, L * D * N, blk, Hkv * hd)
-        vp = v_pool.reshape(1, L * D * N, blk, Hkv * hd)
+        pages = shard[:, None] * N + table
+        at = lambda pool: jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False).reshape(1, D * N, blk, Hkv * hd)
+        kp, vp = at(k_pool), at(v_pool)
 
         def call():
             return paged_attention(qw, kp, vp, lengths.astype(jnp.int32), pages.astype(jnp.int32),
