@@ -3,6 +3,7 @@
     python benchmarks/attention.py                   # speed at 512..4096 tokens, memory at 8k and 32k
     python benchmarks/attention.py --lengths=1024,2048 --memory_lengths=8192,32768 --reps=3
     python benchmarks/attention.py --lengths= --tpu=v5e:2x4   # + XLA's TPU compile, no TPU needed (libtpu)
+    python benchmarks/attention.py --lengths= --memory_lengths= --tpu=v5e:2x4 --decode   # paged decode, TPU
 
 Speed: one layer's attention (SmolLM2-135M's heads: 9 query / 3 KV heads of 64) over one row, causal and
 packed (rows of --segment tokens laid end to end), forward + backward of every implementation that runs
@@ -101,7 +102,7 @@ def tpu_decode_step(kernel: bool, topology: str = "v5e:2x4", rows: int = 64, poo
     """XLA's per-device memory and cost of one decode step over a paged KV pool, compiled for a TPU slice
     without a TPU (needs libtpu): Qwen3-0.6B's widths (16 query / 8 KV heads of 128, `layers` layers) in
     bfloat16, `rows` rows reading a window of `window` slots each through their block tables, a pool of
-    `pool_tokens` slots (blocks of `block`) per row shard. kernel: the Pallas paged-attention kernel
+    `pool_tokens` slots in all (blocks of `block`, split over the row shards). kernel: the Pallas paged-attention kernel
     (right-padded rows); else the gather path (each row's window of blocks gathered, then attended).
     data > 1: rows and the pool over that many chips of a (data, 1, 1) mesh, the kernel inside shard_map."""
     from jax.experimental import topologies
@@ -116,7 +117,7 @@ def tpu_decode_step(kernel: bool, topology: str = "v5e:2x4", rows: int = 64, poo
     rows_sh = NamedSharding(mesh, P("data"))
     params = jax.eval_shape(lambda: decoder.cast_params(decoder.init_params(cfg, jax.random.PRNGKey(0)), bf))
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), params)
-    N = pool_tokens // block + 1  # + the null block
+    N = pool_tokens // data // block + 1  # per row shard, + its null block
     pool = jax.ShapeDtypeStruct((layers, data, N, block, cfg.num_kv_heads, cfg.head_dim), bf,
                                 sharding=NamedSharding(mesh, P(None, "data")))
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rows_sh)
@@ -194,6 +195,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tpu", default="", help="also compile the update item for this TPU slice (e.g. v5e:2x4; "
                     "needs libtpu) with splash, blockwise and dense attention")
+    ap.add_argument("--decode", action="store_true", help="with --tpu: compile a paged decode step (Qwen3-0.6B "
+                    "widths, 64 rows, a 32k-token pool) with the Pallas paged-attention kernel and with the gather "
+                    "path, on one chip and over 8, and one layer's decode attention by pool layout")
     args = ap.parse_args(argv)
     print(f"backend={jax.default_backend()} jax={jax.__version__}")
     for T in [int(x) for x in args.lengths.split(",") if x]:
@@ -213,7 +217,19 @@ def main(argv=None):
             first = first or (T, b)
             print(f"memory update_item impl={impl} T={T} temp_gib={b / 2 ** 30:.3f} "
                   f"growth={b / first[1]:.2f} for {T / first[0]:.0f}x tokens", flush=True)
-    if args.tpu:
+    if args.tpu and args.decode:
+        gib = lambda b: f"{b / 2 ** 30:.4f}"
+        for data in (1, 8):
+            for kernel in (True, False):
+                m = tpu_decode_step(kernel, args.tpu, data=data)
+                print(f"tpu {args.tpu} decode_step path={'kernel' if kernel else 'gather'} chips={data} rows=64 "
+                      f"pool_tokens=32768 window=4096 layers=28 temp_gib={gib(m['temp'])} args_gib={gib(m['args'])} "
+                      f"out_gib={gib(m['out'])} gflops={m['flops'] / 1e9:.2f} accessed_gib={gib(m['bytes'])}", flush=True)
+        for path in ("gather", "kernel", "lanes", "heads_first"):
+            m = tpu_paged_op(path, args.tpu)
+            print(f"tpu {args.tpu} decode_attention_one_layer pool={path} temp_gib={gib(m['temp'])} "
+                  f"gflops={m['flops'] / 1e9:.3f} accessed_gib={gib(m['bytes'])}", flush=True)
+    if args.tpu and lens:
         T = max(lens)
         for impl in ("splash", "blockwise", "dense"):
             try:

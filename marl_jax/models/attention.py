@@ -27,6 +27,20 @@ Implementations (`impl`), chosen per backend by `choose`:
   other layouts and float32 fall back to blockwise, said once in the log.
 - "auto": dense for decode and rows whose scores are small, the backend's kernel above that, blockwise
   otherwise.
+
+Decode over the sampler's paged KV pool (marl_jax.models.decoder.PagedCache) has two paths, chosen by
+`choose(..., pool=True)` in the decoder's paged branch:
+- "paged" (TPU): jax's Pallas paged-attention kernel (`paged_decode`) reads each row's pages in place,
+  nothing of size rows x window is gathered. Taken by "auto" on TPU and by an explicit "splash" on any
+  backend ("splash" means "the TPU kernels": splash for prefill and the update, this one for decode; on
+  CPU only in Pallas interpret mode), for one query per row, a bfloat16 pool (the kernel loads pages as
+  bfloat16) and rows whose valid slots are a prefix of their slots (a `cached` layout with right_padded:
+  the kernel's only validity model is a length per row, no start offset, no holes). Under a mesh it runs
+  per device in `shard_map`.
+- the gather path (everything else: CPU, GPU, float32 pools, rows with holes such as left-padded prompts
+  or a prefix-cache gap): each row's window of blocks is gathered to [B, W, Hkv, hd] and attended by the
+  implementation chosen as for a dense cache (dense for decode). An explicit "splash" that cannot take
+  the kernel says so once in the log.
 """
 from __future__ import annotations
 
@@ -389,14 +403,17 @@ def paged_decode(q, k_pool, v_pool, layer, table, lengths, *, interpret: bool = 
     uses this only for rows whose valid slots are a prefix (a `cached` Layout with right_padded=True).
     Returns [B, 1, Hq * hd].
 
-    How the pool is handed to the kernel without copying it: the kernel reads pages [Hkv, pages, page,
-    hd], heads first; our pool keeps a block's heads inside it ([blk, Hkv, hd]). Rather than transposing
-    the pool (a copy of a layer's pool per layer and step), the pool is viewed as one "KV head" of
-    width Hkv * hd ([L * D * N, blk, Hkv * hd], a reshape) and each query is placed in its KV head's
-    hd-wide lane block of a zero vector of that width: q' . k' = q . k_h exactly, and query j's output is
-    the lane block of its KV head. Each page is then read once for all heads, at Hkv times the (idle, in
-    decode) matmul work. Pages of every layer and shard are one flat page axis (page = (layer * D +
-    shard) * N + block), so no layer's pool is sliced out either.
+    How the pool is handed to the kernel: the kernel reads pages [Hkv, pages, page, hd], heads first; our
+    pool keeps a block's heads inside it ([blk, Hkv, hd]). Rather than transposing, the layer's pool is
+    viewed as one "KV head" of width Hkv * hd ([D * N, blk, Hkv * hd], a reshape) and each query is placed
+    in its KV head's hd-wide lane block of a zero vector of that width: q' . k' = q . k_h exactly, and query
+    j's output is the lane block of its KV head. Each page is read once for all heads, at Hkv times the
+    matmul work (idle in decode, which is bound by memory). Rows of shard d address pages d * N + block.
+    Compiled for one TPU chip, XLA makes that view a copy of the layer's pool (most likely because the
+    tiled HBM layouts of [blk, Hkv, hd] and [blk, Hkv * hd] differ): 0.126 GiB of temporaries for a 32k-token
+    Qwen3-0.6B pool, against 0.50 GiB for gathering 64 rows x 4096 slots; inside shard_map over 8 chips it
+    made no copy (0.5 MiB). A pool stored [L, D, N, blk, Hkv * hd] (heads merged into lanes) or heads
+    first makes the view free everywhere (1 MiB; benchmarks/attention.py --decode).
 
     Precision: the kernel rounds keys and values to bfloat16 as it loads them (its dequantisation step),
     so it equals the gather path exactly only for a bfloat16 pool; `choose` takes it only then.
