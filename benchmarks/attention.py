@@ -3,6 +3,7 @@
     python benchmarks/attention.py                   # speed at 512..4096 tokens, memory at 8k and 32k
     python benchmarks/attention.py --lengths=1024,2048 --memory_lengths=8192,32768 --reps=3
     python benchmarks/attention.py --lengths= --tpu=v5e:2x4   # + XLA's TPU compile, no TPU needed (libtpu)
+    python benchmarks/attention.py --lengths= --memory_lengths= --tpu=v5e:2x4 --decode   # paged decode, TPU
 
 Speed: one layer's attention (SmolLM2-135M's heads: 9 query / 3 KV heads of 64) over one row, causal and
 packed (rows of --segment tokens laid end to end), forward + backward of every implementation that runs
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 
@@ -95,6 +97,96 @@ def tpu_update_item(T: int, impl: str, topology: str = "v5e:2x4", mesh_shape=(4,
     return dict(temp=m.temp_size_in_bytes, args=m.argument_size_in_bytes)
 
 
+def tpu_decode_step(kernel: bool, topology: str = "v5e:2x4", rows: int = 64, pool_tokens: int = 32768,
+                    window: int = 4096, block: int = 16, layers: int = 28, data: int = 1) -> dict:
+    """XLA's per-device memory and cost of one decode step over a paged KV pool, compiled for a TPU slice
+    without a TPU (needs libtpu): Qwen3-0.6B's widths (16 query / 8 KV heads of 128, `layers` layers) in
+    bfloat16, `rows` rows reading a window of `window` slots each through their block tables, a pool of
+    `pool_tokens` slots in all (blocks of `block`, split over the row shards). kernel: the Pallas paged-attention kernel
+    (right-padded rows); else the gather path (each row's window of blocks gathered, then attended).
+    data > 1: rows and the pool over that many chips of a (data, 1, 1) mesh, the kernel inside shard_map."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    devs = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    mesh = Mesh(np.asarray(devs[:data]).reshape(data, 1, 1), ("data", "fsdp", "model"))
+    cfg = decoder.ModelConfig(family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                              num_layers=layers, num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True,
+                              tie_word_embeddings=True, attention="splash" if kernel else "auto")
+    bf = jnp.bfloat16
+    rep = NamedSharding(mesh, P())
+    rows_sh = NamedSharding(mesh, P("data"))
+    params = jax.eval_shape(lambda: decoder.cast_params(decoder.init_params(cfg, jax.random.PRNGKey(0)), bf))
+    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), params)
+    N = pool_tokens // data // block + 1  # per row shard, + its null block
+    pool = jax.ShapeDtypeStruct((layers, data, N, block, cfg.num_kv_heads, cfg.head_dim), bf,
+                                sharding=NamedSharding(mesh, P(None, "data")))
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rows_sh)
+    M = window // block
+    cache = decoder.PagedCache(pool, pool, sds((rows, M), jnp.int32), sds((rows, window), bool),
+                               sds((data, N), jnp.int32), sds((data,), jnp.int32))
+
+    def step(params, cache, tokens, positions, widx):
+        return decoder.forward_cached(params, cfg, tokens, positions, cache, widx, jnp.ones((rows, 1), bool),
+                                      dtype=bf, window=window, right_padded=kernel,
+                                      mesh=mesh if data > 1 else None)
+
+    c = jax.jit(step, donate_argnums=(1,)).lower(params, cache, sds((rows, 1), jnp.int32), sds((rows, 1), jnp.int32),
+                                                 sds((rows,), jnp.int32)).compile()
+    m, cost = c.memory_analysis(), c.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return dict(temp=m.temp_size_in_bytes, args=m.argument_size_in_bytes, out=m.output_size_in_bytes,
+                flops=cost.get("flops", 0.0), bytes=cost.get("bytes accessed", 0.0))
+
+
+def tpu_paged_op(path: str, topology: str = "v5e:2x4", rows: int = 64, pool_tokens: int = 32768,
+                 window: int = 4096, block: int = 16, layers: int = 28) -> dict:
+    """XLA's memory and cost of one layer's decode attention over a paged pool (Qwen3-0.6B heads, bfloat16),
+    compiled for one chip of a TPU slice, by the pool's storage layout:
+    "gather": the pool as PagedCache keeps it ([L, 1, N, blk, Hkv, hd]), rows' blocks gathered, dense attention;
+    "kernel": the same pool, the Pallas kernel through paged_decode (the layer sliced out and viewed with
+    heads in lanes: on TPU a copy of the layer's pool);
+    "lanes": a pool stored [L, N, blk, Hkv * hd] (heads merged into the lane dimension), the kernel reading it
+    in place (the view paged_decode makes is then free);
+    "heads_first": a pool stored [Hkv, L * N, blk, hd], the kernel's own layout, one KV head per grid step."""
+    from jax.experimental import topologies
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    from jax.sharding import SingleDeviceSharding
+    dev = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    sh = SingleDeviceSharding(dev)
+    Hq, Hkv, hd, bf = 16, 8, 128, jnp.bfloat16
+    N, M = pool_tokens // block + 1, window // block
+    sds = lambda shape, dt=bf: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    q, table, lengths, layer = sds((rows, 1, Hq, hd)), sds((rows, M), jnp.int32), sds((rows,), jnp.int32), sds((), jnp.int32)
+    if path in ("gather", "kernel"):
+        pool = sds((layers, 1, N, block, Hkv, hd))
+
+        def f(q, k, v, table, lengths, layer):
+            if path == "kernel":
+                return A.paged_decode(q, k, v, layer, table, lengths)
+            lay = A.cached(lengths[:, None] - 1, jnp.arange(window)[None] < lengths[:, None], True)
+            return A.attention(q, decoder.paged_read(k, layer, table), decoder.paged_read(v, layer, table), lay, "dense")
+    else:
+        g = Hq // Hkv
+        pool = sds((layers, N, block, Hkv * hd)) if path == "lanes" else sds((Hkv, layers * N, block, hd))
+
+        def f(q, k, v, table, lengths, layer):
+            pages = layer * N + table
+            if path == "heads_first":
+                out = paged_attention((q[:, 0] / math.sqrt(hd)).astype(bf), k, v, lengths, pages,
+                                      pages_per_compute_block=8)
+                return out.reshape(rows, 1, Hq * hd)
+            own = (jnp.arange(Hq) // g)[:, None] == jnp.arange(Hkv)[None]
+            qw = jnp.where(own[None, :, :, None], (q[:, 0] / math.sqrt(hd)).astype(bf)[:, :, None], 0)
+            out = paged_attention(qw.reshape(rows, Hq, Hkv * hd), k.reshape(1, layers * N, block, Hkv * hd),
+                                  v.reshape(1, layers * N, block, Hkv * hd), lengths, pages, pages_per_compute_block=8)
+            return jnp.where(own[None, :, :, None], out.reshape(rows, Hq, Hkv, hd), 0).sum(2).reshape(rows, 1, Hq * hd)
+    c = jax.jit(f).lower(q, pool, pool, table, lengths, layer).compile()
+    m, cost = c.memory_analysis(), c.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return dict(temp=m.temp_size_in_bytes, args=m.argument_size_in_bytes, flops=cost.get("flops", 0.0),
+                bytes=cost.get("bytes accessed", 0.0))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,1024,2048,4096")
@@ -103,6 +195,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tpu", default="", help="also compile the update item for this TPU slice (e.g. v5e:2x4; "
                     "needs libtpu) with splash, blockwise and dense attention")
+    ap.add_argument("--decode", action="store_true", help="with --tpu: compile a paged decode step (Qwen3-0.6B "
+                    "widths, 64 rows, a 32k-token pool) with the Pallas paged-attention kernel and with the gather "
+                    "path, on one chip and over 8, and one layer's decode attention by pool layout")
     args = ap.parse_args(argv)
     print(f"backend={jax.default_backend()} jax={jax.__version__}")
     for T in [int(x) for x in args.lengths.split(",") if x]:
@@ -122,7 +217,19 @@ def main(argv=None):
             first = first or (T, b)
             print(f"memory update_item impl={impl} T={T} temp_gib={b / 2 ** 30:.3f} "
                   f"growth={b / first[1]:.2f} for {T / first[0]:.0f}x tokens", flush=True)
-    if args.tpu:
+    if args.tpu and args.decode:
+        gib = lambda b: f"{b / 2 ** 30:.4f}"
+        for data in (1, 8):
+            for kernel in (True, False):
+                m = tpu_decode_step(kernel, args.tpu, data=data)
+                print(f"tpu {args.tpu} decode_step path={'kernel' if kernel else 'gather'} chips={data} rows=64 "
+                      f"pool_tokens=32768 window=4096 layers=28 temp_gib={gib(m['temp'])} args_gib={gib(m['args'])} "
+                      f"out_gib={gib(m['out'])} gflops={m['flops'] / 1e9:.2f} accessed_gib={gib(m['bytes'])}", flush=True)
+        for path in ("gather", "kernel", "lanes", "heads_first"):
+            m = tpu_paged_op(path, args.tpu)
+            print(f"tpu {args.tpu} decode_attention_one_layer pool={path} temp_gib={gib(m['temp'])} "
+                  f"gflops={m['flops'] / 1e9:.3f} accessed_gib={gib(m['bytes'])}", flush=True)
+    if args.tpu and lens:
         T = max(lens)
         for impl in ("splash", "blockwise", "dense"):
             try:

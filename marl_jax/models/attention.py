@@ -27,6 +27,20 @@ Implementations (`impl`), chosen per backend by `choose`:
   other layouts and float32 fall back to blockwise, said once in the log.
 - "auto": dense for decode and rows whose scores are small, the backend's kernel above that, blockwise
   otherwise.
+
+Decode over the sampler's paged KV pool (marl_jax.models.decoder.PagedCache) has two paths, chosen by
+`choose(..., pool=True)` in the decoder's paged branch:
+- "paged" (TPU): jax's Pallas paged-attention kernel (`paged_decode`) reads each row's pages in place,
+  nothing of size rows x window is gathered. Taken by "auto" on TPU and by an explicit "splash" on any
+  backend ("splash" means "the TPU kernels": splash for prefill and the update, this one for decode; on
+  CPU only in Pallas interpret mode), for one query per row, a bfloat16 pool (the kernel loads pages as
+  bfloat16) and rows whose valid slots are a prefix of their slots (a `cached` layout with right_padded:
+  the kernel's only validity model is a length per row, no start offset, no holes). Under a mesh it runs
+  per device in `shard_map`.
+- the gather path (everything else: CPU, GPU, float32 pools, rows with holes such as left-padded prompts
+  or a prefix-cache gap): each row's window of blocks is gathered to [B, W, Hkv, hd] and attended by the
+  implementation chosen as for a dense cache (dense for decode). An explicit "splash" that cannot take
+  the kernel says so once in the log.
 """
 from __future__ import annotations
 
@@ -101,11 +115,13 @@ def shared_prefix(segments: jax.Array, parents: jax.Array) -> Layout:
     return lay.replace(q_parent=parents.astype(jnp.int32), kind="shared_prefix")
 
 
-def cached(query_slot: jax.Array, kv_valid: jax.Array) -> Layout:
-    """Queries at cache slots query_slot [B, S] over cache slots kv_valid [B, T] (True: holds a token)."""
+def cached(query_slot: jax.Array, kv_valid: jax.Array, right_padded: bool = False) -> Layout:
+    """Queries at cache slots query_slot [B, S] over cache slots kv_valid [B, T] (True: holds a token).
+    right_padded: the caller promises each row's valid slots are a prefix of its slots (no holes), what
+    the paged-attention kernel's lengths can express."""
     B, S = query_slot.shape
     return Layout(query_slot.astype(jnp.int32), jnp.ones((B, S), jnp.int32), kv_valid.astype(jnp.int32), None,
-                  "cached")
+                  "cached", right_padded)
 
 
 def _acc(dtype):
@@ -370,6 +386,83 @@ def splash(q, k, v, layout: Layout, *, interpret: bool = False, block: int = 512
     return rows(q, k, v, layout.q_seg, kv_seg).reshape(B, S, Hq * hd)
 
 
+# ---- TPU: Pallas paged attention (decode over a paged KV pool) ----
+
+def _paged_block(pages_per_row: int, cap: int = 8) -> int:
+    """Pages per compute block of the kernel: the largest divisor of a row's page count up to `cap`."""
+    return max(d for d in range(1, min(cap, pages_per_row) + 1) if pages_per_row % d == 0)
+
+
+def paged_decode(q, k_pool, v_pool, layer, table, lengths, *, interpret: bool = False, mesh=None):
+    """One query per row over a paged KV pool, with jax's Pallas paged-attention kernel (TPU).
+
+    q [B, 1, Hq, hd]; k_pool, v_pool: the whole pool [L, D, N, blk, Hkv, hd] (marl_jax.models.decoder.
+    PagedCache: D row shards of N blocks, row b in shard b // (B / D)); layer: which layer (traced);
+    table [B, M]: each row's blocks in its shard; lengths [B] int32: row b sees its slots [0, lengths[b]).
+    The kernel's validity model is that prefix and nothing else (no start offset, no holes), so the caller
+    uses this only for rows whose valid slots are a prefix (a `cached` Layout with right_padded=True).
+    Returns [B, 1, Hq * hd].
+
+    How the pool is handed to the kernel: the kernel reads pages [Hkv, pages, page, hd], heads first; our
+    pool keeps a block's heads inside it ([blk, Hkv, hd]). Rather than transposing, the layer's pool is
+    viewed as one "KV head" of width Hkv * hd ([D * N, blk, Hkv * hd], a reshape) and each query is placed
+    in its KV head's hd-wide lane block of a zero vector of that width: q' . k' = q . k_h exactly, and query
+    j's output is the lane block of its KV head. Each page is read once for all heads, at Hkv times the
+    matmul work (idle in decode, which is bound by memory). Rows of shard d address pages d * N + block.
+    Compiled for one TPU chip, XLA makes that view a copy of the layer's pool (most likely because the
+    tiled HBM layouts of [blk, Hkv, hd] and [blk, Hkv * hd] differ): 0.126 GiB of temporaries for a 32k-token
+    Qwen3-0.6B pool, against 0.50 GiB for gathering 64 rows x 4096 slots; inside shard_map over 8 chips it
+    made no copy (0.5 MiB). A pool stored [L, D, N, blk, Hkv * hd] (heads merged into lanes) or heads
+    first makes the view free everywhere (1 MiB; benchmarks/attention.py --decode).
+
+    Precision: the kernel rounds keys and values to bfloat16 as it loads them (its dequantisation step),
+    so it equals the gather path exactly only for a bfloat16 pool; `choose` takes it only then.
+    Under a mesh it runs per device inside `shard_map` (rows over the row axes, KV heads over "model"
+    when they divide), each device over its own pool part."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    B, S, Hq, hd = q.shape
+    if S != 1:
+        raise ValueError(f"paged_decode takes one query per row, got {S}")
+
+    def run(q, k_pool, v_pool, table, lengths, layer):
+        L, D, N, blk, Hkv, _ = k_pool.shape
+        Bl, M = table.shape[0], table.shape[1]
+        Hq_l = q.shape[2]
+        g = Hq_l // Hkv
+        own = (jnp.arange(Hq_l) // g)[:, None] == jnp.arange(Hkv)[None]  # [Hq, Hkv]: query j's KV head
+        qs = (q[:, 0] * (1.0 / math.sqrt(hd))).astype(q.dtype)
+        qw = jnp.where(own[None, :, :, None], qs[:, :, None, :], 0).reshape(Bl, Hq_l, Hkv * hd)
+        shard = jnp.arange(Bl) // (Bl // D)
+        pages = shard[:, None] * N + table
+        at = lambda pool: jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False).reshape(1, D * N, blk, Hkv * hd)
+        kp, vp = at(k_pool), at(v_pool)
+
+        def call():
+            return paged_attention(qw, kp, vp, lengths.astype(jnp.int32), pages.astype(jnp.int32),
+                                   pages_per_compute_block=_paged_block(M))
+
+        if interpret:
+            from jax.experimental.pallas import tpu as pltpu
+            with pltpu.force_tpu_interpret_mode():
+                out = call()
+        else:
+            out = call()
+        out = jnp.where(own[None, :, :, None], out.reshape(Bl, Hq_l, Hkv, hd), 0).sum(2)
+        return out.reshape(Bl, 1, Hq_l * hd).astype(q.dtype)
+
+    if mesh is not None:
+        from jax.sharding import PartitionSpec as P
+        from marl_jax.models.axes import ROW_AXES
+        Hkv = k_pool.shape[4]
+        rows_ax = tuple(a for a in ROW_AXES if mesh.shape.get(a, 1) > 1) or None
+        heads = "model" if mesh.shape.get("model", 1) > 1 and Hkv % mesh.shape["model"] == 0 else None
+        pool = P(None, rows_ax, None, None, heads, None)
+        run = jax.shard_map(run, mesh=mesh, in_specs=(P(rows_ax, None, heads, None), pool, pool,
+                                                      P(rows_ax, None), P(rows_ax), P()),
+                            out_specs=P(rows_ax, None, heads), check_vma=False)
+    return run(q, k_pool, v_pool, table, lengths, jnp.asarray(layer, jnp.int32))
+
+
 # ---- GPU: cuDNN ----
 
 def cudnn(q, k, v, layout: Layout):
@@ -409,14 +502,31 @@ def _cudnn_can(layout: Layout, dtype) -> bool:
     return layout.kind == "causal" and layout.right_padded and dtype in (jnp.bfloat16, jnp.float16)
 
 
+def _paged_can(layout: Layout | None, S: int, dtype) -> bool:
+    return S == 1 and dtype == jnp.bfloat16 and (layout is None or (layout.kind == "cached" and layout.right_padded))
+
+
 def choose(impl: str, S: int, T: int, backend: str | None = None, layout: Layout | None = None,
-           dtype=jnp.bfloat16) -> str:
+           dtype=jnp.bfloat16, pool: bool = False) -> str:
     """The implementation `impl` runs as. "auto": dense for decode and small scores; above that the
     backend's kernel where it can express the layout (splash on TPU, cuDNN on GPU), blockwise otherwise.
     Other names are returned as given (an explicit kernel that cannot express a layout falls back itself,
-    and says so)."""
+    and says so).
+
+    pool: the keys and values are read from a paged pool (dtype: the pool's). Decode over it is "paged"
+    (jax's Pallas paged-attention kernel, `paged_decode`) with "auto" on TPU and with an explicit "splash"
+    on any backend ("splash" means "the TPU kernels"; on CPU only in Pallas interpret mode), when the
+    layout is one it expresses (one query per row, each row's valid slots a prefix: a `cached` layout with
+    right_padded, a bfloat16 pool). Otherwise the pool's blocks are gathered and attended as below."""
     if impl not in IMPLS:
         raise ValueError(f"model.attention must be one of {IMPLS}, got {impl!r}")
+    if pool and (impl == "splash" or (impl == "auto" and (backend or jax.default_backend()) == "tpu")):
+        if _paged_can(layout, S, dtype):
+            return "paged"
+        if impl == "splash" and S == 1:
+            _once(f"the paged-attention kernel needs one query per row, rows whose valid slots are a prefix "
+                  f"(right_padded) and a bfloat16 pool (got right_padded={getattr(layout, 'right_padded', None)}, "
+                  f"{jnp.dtype(dtype).name}): decode gathers the pool's blocks instead")
     if impl in ("splash", "cudnn") and S == 1:  # decode: one query per row, nothing for a kernel to tile
         return "dense"
     if impl != "auto":

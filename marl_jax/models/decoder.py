@@ -389,8 +389,12 @@ class Block(_Sharded):
             k_pool = paged_write(k_pool, i, blocks, slots % blk, k)
             v_pool = paged_write(v_pool, i, blocks, slots % blk, v)
             read = table[:, :W // blk]
-            a = attn.attention(q, paged_read(k_pool, i, read).astype(q.dtype),
-                               paged_read(v_pool, i, read).astype(q.dtype), layout, cfg.attention, mesh=self.mesh)
+            if attn.choose(cfg.attention, S, W, layout=layout, dtype=k_pool.dtype, pool=True) == "paged":
+                # TPU decode: the Pallas paged-attention kernel reads the rows' pages in place.
+                a = attn.paged_decode(q, k_pool, v_pool, i, read, layout.kv_seg.sum(-1), mesh=self.mesh)
+            else:  # gather the rows' blocks, then attend as over a dense cache
+                a = attn.attention(q, paged_read(k_pool, i, read).astype(q.dtype),
+                                   paged_read(v_pool, i, read).astype(q.dtype), layout, cfg.attention, mesh=self.mesh)
             k_cache, v_cache = k_pool, v_pool
         elif self.cached:
             _, k_cache, v_cache, i = carry
@@ -498,7 +502,7 @@ class Decoder(_Sharded):
                 else:
                     cvalid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
                     query_slot = jnp.broadcast_to(write_index + jnp.arange(S), (tokens.shape[0], S))
-                layout = attn.cached(query_slot, cvalid[:, :W])
+                layout = attn.cached(query_slot, cvalid[:, :W], right_padded)
                 paged = isinstance(cache, PagedCache)
                 if paged and (W % cache.block or jnp.ndim(write_index) != 1):
                     raise ValueError(f"a paged cache needs a window that is a multiple of its block "
@@ -525,9 +529,10 @@ class Decoder(_Sharded):
     def unembed(self, x):
         return self._run(hidden=x)
 
-    def cached(self, tokens, positions, cache, write_index, new_valid, last_only=False, window=None):
+    def cached(self, tokens, positions, cache, write_index, new_valid, last_only=False, window=None,
+               right_padded=False):
         return self._run(tokens, cache=cache, positions=positions, write_index=write_index, new_valid=new_valid,
-                         last_only=last_only, window=window)
+                         last_only=last_only, window=window, right_padded=right_padded)
 
 
 # ---- pure-function entry points: one Decoder, variables passed in ----
@@ -597,7 +602,8 @@ def unembed(params: Params, cfg: ModelConfig, x: jax.Array, *, mesh=None, rules=
 def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                    cache: KVCache, write_index: jax.Array, new_valid: jax.Array, *,
                    lora: Params | None = None, lora_scale: float = 1.0, dtype=jnp.float32,
-                   last_only: bool = False, window: int | None = None, mesh=None, rules=()):
+                   last_only: bool = False, window: int | None = None, mesh=None, rules=(),
+                   right_padded: bool = False):
     """Run `tokens` [B, S] (written at cache slots write_index..write_index+S-1, the same slots for
     every row; a write_index of shape [B] gives each row its own start slot) against the cache. Returns
     (logits [B, S, V] float32, updated cache).
@@ -610,10 +616,15 @@ def forward_cached(params: Params, cfg: ModelConfig, tokens: jax.Array, position
 
     `cache` may be a PagedCache (decode only: one write slot per row, a window that is a multiple of the
     block); rows then write and read their slots through their block tables.
+
+    right_padded: the caller promises each row's valid cache slots (after this write) are a prefix of its
+    slots, no holes. Decode over a PagedCache then runs jax's Pallas paged-attention kernel on TPU
+    (marl_jax.models.attention.paged_decode); without the promise, or elsewhere, the rows' blocks are
+    gathered and attended as over a dense cache.
     """
     m = _module(cfg, dtype, lora_scale, "none", mesh, rules)
     return m.apply(variables(params, lora), tokens, positions, cache, write_index, new_valid, last_only, window,
-                   method=Decoder.cached)
+                   right_padded, method=Decoder.cached)
 
 
 def _abstract(cfg: ModelConfig, dtype=jnp.float32):
