@@ -1,6 +1,6 @@
 """Run on 8 fake CPU devices (XLA_FLAGS set by the caller, tests/test_continuous.py): the sampler with continuous
 batching, compaction and the prefix cache on several meshes against one device, greedy, with the dense and the
-paged KV cache. Prints `RESULT {json}`."""
+paged KV cache, and (on one mesh) under a KV budget small enough to preempt rows. Prints `RESULT {json}`."""
 from __future__ import annotations
 
 import json
@@ -30,28 +30,33 @@ def main():
     ltr = jax.tree_util.tree_map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(3), x.shape),
                                  init_trainable(lspec, CFG, params, jax.random.PRNGKey(4)))
 
-    def run(mesh, base, tr, paged=False):
-        """Two calls, the second's prompts extending the first's prompts + completions; then a LoRA slot."""
-        s = Sampler(CFG, mesh=mesh, max_batch=8, paged=paged, kv_block=8)
+    def run(mesh, base, tr, paged=False, budget=0):
+        """Two calls, the second's prompts extending the first's prompts + completions; then a LoRA slot.
+        budget: a KV budget of this many blocks per device (preemption; the bookkeeping checked every step)."""
+        kw = dict(kv_budget_bytes=budget * Sampler(CFG, mesh=mesh, kv_block=8)._block_bytes(), check_blocks=True)
+        s = Sampler(CFG, mesh=mesh, max_batch=8, paged=paged, kv_block=8, **kw)
         a = s.generate(base, prompts, key, greedy, max_new_tokens=limits)
         refills = s.stats["refills"]
         ext = [p + a.row(i)[0] + [5, 6, 7] for i, p in enumerate(prompts)]
         b = s.generate(base, ext, key, greedy, max_new_tokens=limits)
-        ls = Sampler(CFG, mesh=mesh, max_batch=8, spec=lspec, paged=paged, kv_block=8)
+        ls = Sampler(CFG, mesh=mesh, max_batch=8, spec=lspec, paged=paged, kv_block=8, **kw)
         c = ls.generate(base, prompts, key, greedy, max_new_tokens=limits, trainable=tr, slot=1)
-        return a, b, c, refills, s.stats["cached_tokens"]
+        return a, b, c, refills, s.stats["cached_tokens"], s.stats.get("preemptions", 0) + ls.stats.get("preemptions", 0)
 
     ref = run(None, params, ltr)
     out = {"devices": len(jax.devices()), "meshes": {}}
     for data, fsdp, model in MESHES:
         mesh = sharding.make_mesh(data, model, fsdp=fsdp)
         sp, st = sharding.shard_params(params, mesh), jax.device_put(ltr, sharding.tree_shardings(ltr, mesh))
-        for paged in (False, True):
-            a, b, c, refills, cached = run(mesh, sp, st, paged)
-            out["meshes"][f"{data}x{fsdp}x{model}" + ("-paged" if paged else "")] = {
+        kinds = [("", False, 0), ("-paged", True, 0)] + ([("-budget", True, 10)] if (data, fsdp, model) == (2, 2, 2)
+                                                          else [])
+        for name, paged, budget in kinds:
+            a, b, c, refills, cached, preempted = run(mesh, sp, st, paged, budget)
+            out["meshes"][f"{data}x{fsdp}x{model}" + name] = {
                 "same": a.tokens.tolist() == ref[0].tokens.tolist(),
                 "same_extended": b.tokens.tolist() == ref[1].tokens.tolist(),
-                "lora_same": c.tokens.tolist() == ref[2].tokens.tolist(), "refills": refills, "cached_tokens": cached}
+                "lora_same": c.tokens.tolist() == ref[2].tokens.tolist(), "refills": refills, "cached_tokens": cached,
+                "preemptions": preempted}
     out["paged_locality"] = paged_locality(params, prompts, greedy, key)
     print("RESULT " + json.dumps(out))
 

@@ -88,7 +88,8 @@ def test_continuous_equals_chunks_run_to_their_end(tiny, temperature):
 def test_continuous_and_prefix_cache_on_a_mesh():
     """8 fake CPU devices: continuous batching, compaction and the prefix cache give one device's greedy
     tokens on data-, fsdp- and model-split meshes, for the base model and an Isolated-Policy LoRA slot,
-    with the dense and the paged KV cache (the reference is dense, on one device)."""
+    with the dense and the paged KV cache, and under a KV budget that preempts rows (the reference is dense, on one
+    device)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "sampler_mesh_driver.py")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1800)
@@ -96,6 +97,7 @@ def test_continuous_and_prefix_cache_on_a_mesh():
     report = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert report["devices"] == 8
     assert sum(m.endswith("-paged") for m in report["meshes"]) == 3, report
+    assert report["meshes"]["2x2x2-budget"]["preemptions"] >= 1, report  # a KV budget that preempts, per shard
     # Paged on 8 data shards: each device holds one shard of the pool, and decode moves no pool-sized data.
     loc = report["paged_locality"]
     assert loc["pool_shards"] == 8 and loc["shards_per_device"] == 1, loc
