@@ -408,7 +408,12 @@ def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
             conc = budget_concurrency(cfg, config, st, mesh, max_batch, budget, blk)["concurrent"]
             b = math.ceil(max(conc, 1) / mesh.rows)
             kv = budget * GiB
-            # The prompts are prefilled into the pool's blocks.
+            # The prompts are prefilled into the pool's blocks as their rows are admitted: at most the rows
+            # that decode at once, and no more prompt tokens than rollout.max_batched_tokens when it is set.
+            bu = min(bu, b)
+            mbt = int(config.rollout.get("max_batched_tokens", 0))
+            if mbt:
+                bu = min(bu, max(1, mbt // (min(chunk, P) * mesh.rows)))
             pre = prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh)
         else:
             kv = b * (P + Tn) * slot
@@ -743,14 +748,98 @@ def format_plan(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+PRESET_WORKFLOWS = ("eval_opt", "voting", "orch_workers", "single_agent")
+PRESET_ARGS = tuple(f"qwen3-{m},{t}" for m in ("0.6b", "1.7b", "4b") for t in ("math", "code"))
+TABLE_CHIPS = ("ref", "v5p-8", "v6e-8", "H100-80GB", "v5e-8")
+
+
+def _ref_chip(workflow: str) -> str:
+    """The reference's hardware: 2 x H100-80GB, 4 for orch_workers (its launcher asks for 4 GPUs)."""
+    return "H100-80GBx4" if workflow == "orch_workers" else "H100-80GBx2"
+
+
+def preset_rows(chips=TABLE_CHIPS, prompt_tokens: int = 512, overrides: dict | None = None) -> list[dict]:
+    """Every paper preset on every chip: fits as configured, with the knobs the plan prints, or not (then the
+    fewest chips of that kind that hold it)."""
+    from marl_jax.configs import get_config
+    out = []
+    for wf in PRESET_WORKFLOWS:
+        for arg in PRESET_ARGS:
+            config = get_config(wf, arg)
+            for key, v in (overrides or {}).items():
+                node = config
+                *head, last = key.split(".")
+                for h in head:
+                    node = node[h]
+                node[last] = v
+            for chip in chips:
+                spec = _ref_chip(wf) if chip == "ref" else chip
+                p = plan(config, spec, prompt_tokens, search_chips=False)
+                f = p["smallest_fit"]
+                row = {"preset": f"{wf}:{arg}", "chip": spec, "fits": p["fits"], "peak_gib": p["memory"]["peak"] / GiB,
+                       "step_s": p["time"]["step_s"], "knobs": None, "fewest_chips": None}
+                if f:
+                    row.update(knobs=f["flags"], knob_peak_gib=f["memory"]["peak"] / GiB, knob_step_s=f["time"]["step_s"],
+                               preempt_s=f["time"]["preempt_s"], waves=f["time"]["decode_waves"])
+                else:
+                    chip_, _ = parse_chip(spec)
+                    w = workload(config, prompt_tokens)
+                    cfg = model_config(config.model.name)
+                    row["fewest_chips"] = next((k for k in (1, 2, 4, 8, 16, 32, 64) if
+                                                smallest_fit(cfg, config, w, chip_, k)), None)
+                out.append(row)
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per preset, one column per chip: 'yes s' (fits as configured), 'knobs s' (fits with the knobs
+    the plan prints), 'no (N)' (fewest chips of that kind that hold it); then the knobs per cell."""
+    chips = list(dict.fromkeys("ref" if r["chip"].startswith("H100-80GBx") else r["chip"] for r in rows))
+    names = {"ref": "reference (2 x H100-80GB; 4 for orch_workers)"}
+    lines = ["| preset | " + " | ".join(names.get(c, c) for c in chips) + " |", "|---" * (len(chips) + 1) + "|"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["preset"], []).append(r)
+
+    def cell(r):
+        if r["fits"]:
+            return f"yes, {r['step_s']:.0f} s"
+        if r["knobs"]:
+            return f"knobs, {r['knob_step_s']:.0f} s"
+        return f"no ({r['fewest_chips'] or '>64'} chips)"
+    for preset, rs in by.items():
+        lines.append(f"| {preset} | " + " | ".join(cell(r) for r in rs) + " |")
+    lines += ["", "| preset | chip | peak as configured GiB | knobs | peak with knobs GiB | decode waves | "
+              "preemption worst case s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["knobs"] and not r["fits"]:
+            knobs = r["knobs"].replace("--config.", "")
+            lines.append(f"| {r['preset']} | {r['chip']} | {r['peak_gib']:.1f} | `{knobs}` | {r['knob_peak_gib']:.1f} | "
+                         f"{r['waves']} | {r['preempt_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv):
     from absl import app
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if FLAGS.table:
+        print(format_table(preset_rows(prompt_tokens=FLAGS.prompt_tokens)))
+        return
     from marl_jax.config import validate
     config = FLAGS.config
+    if config is None:
+        raise app.UsageError("--config is required (or --table)")
     try:
         validate(config)
+        if FLAGS.aot:
+            from marl_jax import plan_aot
+            try:
+                r = plan_aot.aot(config, FLAGS.chip, prompt_tokens=FLAGS.prompt_tokens, layers=FLAGS.aot_layers)
+            except ValueError as e:  # no libtpu, or a GPU: one line, not the usage text
+                raise SystemExit(f"marl_jax.plan: {e}")
+            print(json.dumps(r, indent=1, default=str) if FLAGS.json else plan_aot.format_aot(r))
+            return
         p = plan(config, FLAGS.chip, FLAGS.prompt_tokens)
     except ValueError as e:
         raise app.UsageError(str(e))
@@ -767,6 +856,10 @@ if __name__ == "__main__":
     flags.DEFINE_integer("prompt_tokens", 512, "prompt tokens before any earlier stage's output (system prompt, "
                          "instructions and the problem)")
     flags.DEFINE_bool("json", False, "print JSON instead of tables")
+    flags.DEFINE_bool("aot", False, "compile the run's update item, prefill chunk and decode step for the TPU slice "
+                      "(libtpu, no TPU needed: pip install -e \".[aot]\") and print XLA's bytes and FLOPs beside the plan's")
+    flags.DEFINE_integer("aot_layers", 0, "with --aot: compile (and plan) a model of this many layers (0: all)")
     FLAGS = flags.FLAGS
-    flags.mark_flag_as_required("config")
+    flags.DEFINE_bool("table", False, "every paper preset on the reference's GPUs, v5p-8, v6e-8, one H100-80GB and "
+                      "v5e-8 (docs/planner.md)")
     app.run(main)

@@ -160,3 +160,115 @@ def analyse(program: Program) -> dict[str, float]:
             "outputs": float(ma.output_size_in_bytes), "aliased": float(getattr(ma, "alias_size_in_bytes", 0)),
             "flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
             "compile_s": time.perf_counter() - t0}
+
+
+# ---- the plan's programs at a run's shapes, beside the plan's own numbers ----
+
+def run_shapes(cfg: ModelConfig, config, w, knobs) -> dict[str, dict]:
+    """Shapes of the three programs for a run (global rows) and the plan's per-device numbers for them."""
+    from marl_jax import plan as P
+    from marl_jax.generate.sampler import length_bucket
+    m = knobs.mesh
+    e = P._bytes(config.model.dtype)
+    T, W = w.seq_len, w.window
+    rows = P.item_rows(knobs, T)
+    rows = -(-rows // m.rows) * m.rows
+    st = max(w.stages, key=lambda s: s.prompt)
+    Pl, Tn = length_bucket(st.prompt), length_bucket(st.new)
+    chunk = min(int(config.rollout.get("prefill_chunk", 2048)), Pl)
+    bu = -(-min(st.distinct, knobs.max_batch) // m.rows) * m.rows
+    blk = int(config.rollout.get("kv_block", 16))
+    window = -(-(Pl + Tn) // blk) * blk
+    B = -(-min(max(s.rows for s in w.stages), knobs.max_batch) // m.rows) * m.rows
+    if knobs.kv_budget_gb:
+        blocks = int(knobs.kv_budget_gb * P.GiB // (blk * P.slot_bytes(cfg, config, m)))
+    else:
+        blocks = 1 + (B // m.rows) * (window // blk)
+    pr = cfg.num_params()
+    return {
+        "update item": dict(rows=rows, T=T, W=W, plan_temporaries=P.activation_bytes(cfg, config, w, knobs),
+                            plan_flops=rows * T * cfg.flops_per_token(T // 2) * (4 if knobs.remat == "full" else 3) / m.size),
+        "prefill chunk": dict(rows=bu, chunk=chunk, prompt=Pl,
+                              plan_temporaries=P.prefill_chunk_bytes(cfg, bu / m.rows, chunk, Pl, e, m),
+                              plan_flops=bu * chunk * cfg.flops_per_token(Pl) / m.size),
+        "decode step": dict(rows=B, blocks=blocks, block=blk, window=window,
+                            plan_temporaries=P.decode_step_bytes(cfg, B / m.rows, window, e, m),
+                            plan_flops=B * cfg.flops_per_token(window) / m.size),
+        "_": dict(params=pr),
+    }
+
+
+def programs_for(cfg: ModelConfig, config, shapes: dict, mesh, rules=None, backend: str = "tpu") -> list[Program]:
+    """The three programs at `shapes` (run_shapes) on `mesh`. model.attention=auto resolves as on `backend`
+    (the compiling host's jax.default_backend() is not the target's)."""
+    import dataclasses as dc
+    from marl_jax import plan as P
+    from marl_jax.rl.memory import attention_impl
+    dt = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+    pdt = jnp.bfloat16 if P.param_dtype(config) == "bfloat16" else jnp.float32
+    u, pf, d = shapes["update item"], shapes["prefill chunk"], shapes["decode step"]
+    ucfg = dc.replace(cfg, attention=attention_impl(cfg, u["T"], u["T"], backend))
+    pcfg = dc.replace(cfg, attention=attention_impl(cfg, pf["chunk"], pf["prompt"], "cpu"))
+    mode = config.trainable.mode
+    return [update_item(ucfg, rows=u["rows"], T=u["T"], W=u["W"], mesh=mesh, rules=rules, mode=mode,
+                        rank=int(config.trainable.rank), remat=shapes.get("remat", "full"), dtype=dt, param_dtype=pdt),
+            prefill_chunk(pcfg, rows=pf["rows"], chunk=pf["chunk"], prompt=pf["prompt"], mesh=mesh, rules=rules,
+                          dtype=dt, param_dtype=pdt),
+            decode_step(dc.replace(cfg, attention="dense"), rows=d["rows"], blocks=d["blocks"], block=d["block"],
+                        window=d["window"], mesh=mesh, rules=rules, dtype=dt, param_dtype=pdt)]
+
+
+def aot(config, chip_spec: str, knobs=None, prompt_tokens: int = 512, layers: int = 0) -> dict[str, Any]:
+    """Compile the run's three programs for a TPU slice (libtpu, no TPU needed) with the plan's knobs (the
+    configured ones, or those it prints when they do not fit), and return XLA's numbers beside the plan's.
+    layers > 0 compiles a model of that many layers (and plans the same model), to save compile time."""
+    import dataclasses as dc
+    from marl_jax import plan as P
+    chip, n = P.parse_chip(chip_spec)
+    if chip.kind != "tpu":
+        raise ValueError(f"--aot compiles for TPU slices only: a GPU ({chip_spec}) cannot be compiled for without "
+                         "one (jax's CUDA plugin needs a visible device)")
+    kind = next(k for k, c in P.CHIPS.items() if c is chip)
+    devices = tpu_devices(kind, n)
+    cfg = P.model_config(config.model.name)
+    if layers:
+        cfg = dc.replace(cfg, num_layers=layers)
+    w = P.workload(config, prompt_tokens)
+    if knobs is None:
+        p = P.plan(config, chip_spec, prompt_tokens, search_chips=False)
+        knobs = P.configured_knobs(config, P.config_mesh(config, n), chip)
+        if not p["fits"] and p["smallest_fit"]:
+            f = p["smallest_fit"]
+            knobs = dc.replace(knobs, mesh=P.Mesh(*map(int, f["mesh"].split("x"))), micro_batch=f["micro_batch"],
+                               remat=f["remat"], max_batch=f["max_batch"], kv_budget_gb=f["kv_budget_gb"],
+                               max_tokens=f["max_tokens_per_micro_batch"])
+    if knobs.remat == "auto":
+        knobs = dc.replace(knobs, remat="full")
+    m = knobs.mesh
+    mesh = sharding.make_mesh(m.data, m.model, devices=np.asarray(devices), fsdp=m.fsdp)
+    rules = sharding.parse_rules(config.mesh.get("rules", sharding.DEFAULT_RULES))
+    shapes = run_shapes(cfg, config, w, knobs)
+    shapes["remat"] = knobs.remat
+    out = {"chip": chip_spec, "devices": n, "mesh": str(m), "layers": cfg.num_layers, "knobs": P.knob_flags(knobs, config),
+           "programs": {}}
+    for prog in programs_for(cfg, config, shapes, mesh, rules, "tpu"):
+        x = analyse(prog)
+        out["programs"][prog.name] = dict(shapes[prog.name], **{f"xla_{k}": v for k, v in x.items()})
+    return out
+
+
+def format_aot(r: dict[str, Any]) -> str:
+    G = 2 ** 30
+    lines = [f"XLA for {r['chip']} ({r['devices']} devices, mesh {r['mesh']}, {r['layers']} layers), compiled "
+             f"without a TPU; knobs: {r['knobs']}", "",
+             "| program | shape | XLA arguments GiB | XLA temporaries GiB | plan temporaries GiB | XLA outputs GiB | "
+             "XLA TFLOP | plan TFLOP | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, p in r["programs"].items():
+        shape = {"update item": lambda: f"{p['rows']} x {p['T']} tokens, {p['W']} scored",
+                 "prefill chunk": lambda: f"{p['rows']} x {p['chunk']} against {p['prompt']}",
+                 "decode step": lambda: f"{p['rows']} rows, {p['blocks']} blocks of {p['block']}, window {p['window']}"}[name]()
+        lines.append(f"| {name} | {shape} | {p['xla_arguments'] / G:.2f} | {p['xla_temporaries'] / G:.2f} | "
+                     f"{p['plan_temporaries'] / G:.2f} | {p['xla_outputs'] / G:.2f} | {p['xla_flops'] / 1e12:.2f} | "
+                     f"{p['plan_flops'] / 1e12:.2f} | {p['xla_compile_s']:.0f} |")
+    lines.append("(per device; XLA's flops are its cost analysis of one device's program)")
+    return "\n".join(lines)

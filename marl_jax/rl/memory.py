@@ -45,7 +45,10 @@ def activation_bytes(cfg: ModelConfig, *, rows: float, T: int, W: int, remat: st
     else:
         # Memory-bounded attention (blockwise / splash / cuDNN) keeps per token only the log-sum-exp; its
         # backward (one layer at a time) holds float32 accumulators of dq, dk, dv and the blocks' output.
-        layer_attn, transient = tok * hq * 4, tok * (12 * qd + 10 * kvd) * 4
+        # (blockwise, XLA's CPU memory analysis); splash and cuDNN keep theirs in their kernels' tiles, so
+        # only dq, dk, dv remain (XLA's memory analysis for TPU, tests/test_plan_aot.py).
+        layer_attn = tok * hq * 4
+        transient = tok * (12 * qd + 10 * kvd) * 4 if impl == "blockwise" else tok * (2 * qd + 2 * kvd) * e
     layer = layer_vectors + layer_attn
     if remat == "none":
         # Every layer's activations, plus about one layer's cotangents in the backward pass.
