@@ -340,6 +340,14 @@ def slot_bytes(cfg: ModelConfig, config, mesh: Mesh) -> float:
     return 2 * cfg.num_layers * _heads(cfg, mesh)[1] * _bytes(config.model.dtype)
 
 
+def layer_weight_bytes(cfg: ModelConfig, e: int, mesh: Mesh = Mesh()) -> float:
+    """One layer's weights in the compute dtype as the layer loop holds them (gathered over fsdp, split over model)."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    _, kvd, qd = _heads(cfg, mesh)
+    f = F // _div(F, mesh.model)
+    return (D * (2 * qd + 2 * kvd) + 3 * D * f) * e
+
+
 def prefill_chunk_bytes(cfg: ModelConfig, rows: float, chunk: int, prompt: int, e: int, mesh: Mesh = Mesh()) -> float:
     """Temporaries of one prefill chunk on one device: `rows` prompts' `chunk` tokens against `prompt` cache slots
     (the last chunk: the widest window). Dense attention when the chunk's scores are small, otherwise blockwise
@@ -350,7 +358,8 @@ def prefill_chunk_bytes(cfg: ModelConfig, rows: float, chunk: int, prompt: int, 
     c = min(chunk, prompt)
     # The chunk's activations, the layer's window of keys and values read back (and laid out for attention),
     # the last position's logits.
-    out = rows * c * (3 * cfg.hidden_size + 2 * qd + 2 * kvd) * e + 3 * rows * prompt * kvd * e + rows * cfg.vocab_size * 8
+    out = (rows * c * (3.5 * cfg.hidden_size + 2 * qd + 2 * kvd) * e + 2.5 * rows * prompt * kvd * e
+           + rows * cfg.vocab_size * 8 + 0.75 * layer_weight_bytes(cfg, e, mesh))
     if attention_impl(cfg, c, prompt, "cpu") == "dense":
         out += rows * hq * c * prompt * (4 + e) + rows * c * prompt  # scores, probabilities, mask
     return out
@@ -360,7 +369,8 @@ def decode_step_bytes(cfg: ModelConfig, rows: float, window: int, e: int, mesh: 
     """Temporaries of one decode step on one device: a layer's keys and values over the window (gathered from
     the pool's blocks, or sliced from the dense cache), the scores, and the float32 logits and their softmax."""
     hq, kvd, _ = _heads(cfg, mesh)
-    return rows * (2 * window * kvd * e + hq * window * (4 + e) + cfg.vocab_size * 4 * 2)
+    return rows * (2 * window * kvd * e + hq * window * (4 + e) + cfg.vocab_size * 4 * 2) + 0.75 * layer_weight_bytes(
+        cfg, e, mesh)
 
 
 def budget_concurrency(cfg: ModelConfig, config, st: "Stage", mesh: Mesh, max_batch: int, budget_gb: float,
