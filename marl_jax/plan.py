@@ -680,6 +680,11 @@ def plan(config, chip_spec: str, prompt_tokens: int = 512, search_chips: bool = 
     if up is not None:
         fit = fit_rollout(cfg, config, w, up, limit)
     fit = fit or smallest_fit(cfg, config, w, chip, n, knobs)
+    # The largest token budget (grpo.max_tokens_per_micro_batch) whose update fits with those knobs' mesh and remat.
+    tb = None
+    if fit is not None:
+        tb = next((b for b in token_budgets(w, fit.mesh) if memory(cfg, config, w, dataclasses.replace(
+            fit, max_tokens=b))["update_peak"] <= limit), None)
     fewest = None
     if search_chips:
         fewest = next((k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if smallest_fit(cfg, config, w, chip, k)), None)
@@ -704,6 +709,7 @@ def plan(config, chip_spec: str, prompt_tokens: int = 512, search_chips: bool = 
             "remat": fit.remat, "max_batch": fit.max_batch, "kv_budget_gb": fit.kv_budget_gb,
             "flags": knob_flags(fit, config), "memory": memory(cfg, config, w, fit),
             "time": roofline(cfg, config, w, fit, chip)},
+        "token_budget": tb,
         "fewest_chips": fewest,
         "time": roofline(cfg, config, w, knobs, chip),
     }
@@ -745,6 +751,9 @@ def format_plan(p: dict[str, Any]) -> str:
     f = p["smallest_fit"]
     lines += ["", "knobs that fit this slice: " + (
         f"{f['flags']} (peak {_gb(f['memory']['peak']).strip()} GiB)" if f else "nothing: use more chips"),
+        f"token budget that fits with them: " + (f"--config.grpo.max_tokens_per_micro_batch={p['token_budget']} "
+                                                  f"(an update item of at most that many tokens over the mesh's rows)"
+                                                  if p.get("token_budget") else "none"),
         f"fewest chips of this kind that hold it: {p['fewest_chips'] or 'more than 256'}", ""]
 
     def t_line(name, t):
