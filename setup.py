@@ -46,6 +46,10 @@ PEERS_REQUIRES = [
     "peft>=0.13",  # TRL's LoRA
 ]
 
+# python -m marl_jax.plan --aot: libtpu compiles for TPU slices on a machine without a TPU. Pinned to the jax
+# release it was built with (jax 0.10.2 <-> libtpu 0.0.42.1; 684 MB installed).
+AOT_REQUIRES = ["jax[tpu]==0.10.2"]
+
 setup(
     name="marl_jax",
     version="0.1.0",
@@ -57,5 +61,5 @@ setup(
                                "workflows/prompts/*/*.json"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES, "peers": PEERS_REQUIRES},
+    extras_require={"test": TEST_REQUIRES, "peers": PEERS_REQUIRES, "aot": AOT_REQUIRES},
 )

@@ -208,7 +208,7 @@ def workload(config, prompt_tokens: int = 512) -> Workload:
         earlier += st.max_calls * new
     copies = {}
     if config.grpo.copy_alignment:
-        from marl_jax.train.loop import parallel_copies
+        from marl_jax.workflows.base import parallel_copies
         copies = parallel_copies(wf)
     groups = sum(copies.get(r, 1) for r in wf.roles) if config.grpo.diagnostics else 0
     return Workload(tuple(out), tuple(wf.roles), mapping, max(mapping.values()) + 1, groups, config.rollout.max_batch)
@@ -289,7 +289,10 @@ class Knobs:
     mesh: Mesh
     micro_batch: int
     remat: str
-    max_batch: int  # rows per sampler call (rollout.max_batch): bounds the KV cache
+    max_batch: int  # rows decoding at once (rollout.max_batch, vLLM's max_num_seqs)
+    kv_budget_gb: float = 0.0  # rollout.kv_budget_gb: the paged pool per device (0: dense / paged bound)
+    max_tokens: int = 0  # grpo.max_tokens_per_micro_batch (0: micro_batch rows per item)
+    backend: str = "cpu"  # what model.attention=auto resolves on: cpu | tpu | gpu
 
 
 def static_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh) -> dict[str, float]:
@@ -326,81 +329,135 @@ def paged_pool_blocks(rows: int, distinct: int, P: int, Tn: int, block: int) -> 
     return N, prev
 
 
-def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int) -> tuple[float, float, int]:
-    """(KV cache bytes, prefill transient bytes, batch) per device for the largest sampler call.
+def _heads(cfg: ModelConfig, mesh: Mesh) -> tuple[int, int, int]:
+    """(query heads, kv width, query width) one device holds under the model axis."""
+    hq = cfg.num_heads // _div(cfg.num_heads, mesh.model)
+    return hq, cfg.kv_dim // _div(cfg.num_kv_heads, mesh.model), hq * cfg.head_dim
 
-    Dense: every row holds prompt + max new tokens. Paged (rollout.paged_kv): the pool when every row runs to
-    its limit, plus the pool before its last growth, which lives until the grown copy exists; a task's
-    episodes share their prompt's blocks. When rows stop early (RL's long tail) the pool stays smaller:
-    this is the bound, not the typical use."""
+
+def slot_bytes(cfg: ModelConfig, config, mesh: Mesh) -> float:
+    """Keys and values of one cache slot, all layers, on one device."""
+    return 2 * cfg.num_layers * _heads(cfg, mesh)[1] * _bytes(config.model.dtype)
+
+
+def layer_weight_bytes(cfg: ModelConfig, e: int, mesh: Mesh = Mesh()) -> float:
+    """One layer's weights in the compute dtype as the layer loop holds them (gathered over fsdp, split over model)."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    _, kvd, qd = _heads(cfg, mesh)
+    f = F // _div(F, mesh.model)
+    return (D * (2 * qd + 2 * kvd) + 3 * D * f) * e
+
+
+def prefill_chunk_bytes(cfg: ModelConfig, rows: float, chunk: int, prompt: int, e: int, mesh: Mesh = Mesh()) -> float:
+    """Temporaries of one prefill chunk on one device: `rows` prompts' `chunk` tokens against `prompt` cache slots
+    (the last chunk: the widest window). Dense attention when the chunk's scores are small, otherwise blockwise
+    (the kernels cannot express a chunk against a cache): linear in the prompt. Counted from XLA's memory
+    analysis of decoder.forward_cached (tests/test_plan.py)."""
+    from marl_jax.rl.memory import attention_impl
+    hq, kvd, qd = _heads(cfg, mesh)
+    c = min(chunk, prompt)
+    # The chunk's activations, the layer's window of keys and values read back (and laid out for attention),
+    # the last position's logits.
+    out = (rows * c * (3.5 * cfg.hidden_size + 2 * qd + 2 * kvd) * e + 2.5 * rows * prompt * kvd * e
+           + rows * cfg.vocab_size * 8 + 0.75 * layer_weight_bytes(cfg, e, mesh))
+    if attention_impl(cfg, c, prompt, "cpu") == "dense":
+        out += rows * hq * c * prompt * (4 + e) + rows * c * prompt  # scores, probabilities, mask
+    return out
+
+
+def decode_step_bytes(cfg: ModelConfig, rows: float, window: int, e: int, mesh: Mesh = Mesh()) -> float:
+    """Temporaries of one decode step on one device: a layer's keys and values over the window (gathered from
+    the pool's blocks, or sliced from the dense cache), the scores, and the float32 logits and their softmax."""
+    hq, kvd, _ = _heads(cfg, mesh)
+    return rows * (2 * window * kvd * e + hq * window * (4 + e) + cfg.vocab_size * 4 * 2) + 0.75 * layer_weight_bytes(
+        cfg, e, mesh)
+
+
+def budget_concurrency(cfg: ModelConfig, config, st: "Stage", mesh: Mesh, max_batch: int, budget_gb: float,
+                       block: int) -> dict[str, int]:
+    """Under a KV budget: rows of a stage decoding at once (all their blocks in the pool, every row at its
+    limit), rows admitted on their prompt blocks alone (vLLM admits on the prompt), and the slots one row
+    reaches before the pool runs dry with all of those admitted (preemption's worst case)."""
+    from marl_jax.generate.sampler import length_bucket
+    P, Tn = length_bucket(st.prompt), length_bucket(st.new)
+    blocks = int(budget_gb * GiB // (block * slot_bytes(cfg, config, mesh))) - 1  # block 0: the null block
+    full = -(-(P + Tn) // block)
+    fit = max(0, blocks // full) * mesh.rows
+    want = min(st.rows, max_batch)
+    admitted = min(want, max(0, blocks // max(1, -(-P // block))) * mesh.rows)
+    dry = (blocks * mesh.rows * block) // max(1, admitted) - P if admitted else 0
+    return {"concurrent": min(want, fit), "admitted": admitted, "slots_at_preemption": max(0, min(dry, P + Tn)),
+            "blocks": blocks, "row_blocks": full}
+
+
+def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
+             kv_budget_gb: float | None = None) -> tuple[float, float, int]:
+    """(KV cache bytes with a decode step's temporaries, prefill transient bytes, rows decoding at once) per
+    device for the largest sampler call.
+
+    KV budget (rollout.kv_budget_gb > 0): the pool is that many GiB per device, whatever the rows; rows are
+    admitted while their blocks fit, so at most budget_concurrency rows decode at once. Otherwise dense: every
+    row holds prompt + max new tokens; paged (rollout.paged_kv): the pool when every row runs to its limit,
+    plus the pool before its last growth, which lives until the grown copy exists; a task's episodes share
+    their prompt's blocks. Prefill runs in chunks of rollout.prefill_chunk tokens, the distinct prompts at
+    their own row count."""
     from marl_jax.generate.sampler import _batch_bucket, length_bucket
     e = _bytes(config.model.dtype)
-    kv_heads = cfg.num_kv_heads // _div(cfg.num_kv_heads, mesh.model)
-    q_heads = cfg.num_heads // _div(cfg.num_heads, mesh.model)
-    paged = bool(config.rollout.get("paged_kv", False))
+    budget = float(config.rollout.get("kv_budget_gb", 0.0)) if kv_budget_gb is None else kv_budget_gb
+    paged = bool(config.rollout.get("paged_kv", False)) or budget > 0
     blk = int(config.rollout.get("kv_block", 16))
+    chunk = int(config.rollout.get("prefill_chunk", 2048))
+    slot = slot_bytes(cfg, config, mesh)
     worst_kv, worst_pre, worst_b = 0.0, 0.0, 0
     for st in w.stages:
         B = _batch_bucket(min(st.rows, max_batch), 8, mesh.rows)
-        Bu = _batch_bucket(min(st.distinct, max_batch), 8, mesh.rows)
+        bu = math.ceil(min(st.distinct, max_batch) / mesh.rows)
         P, Tn = length_bucket(st.prompt), length_bucket(st.new)
-        b, bu = B / mesh.rows, Bu / mesh.rows
-        slot_bytes = 2 * cfg.num_layers * kv_heads * cfg.head_dim * e  # keys and values of one slot
-        kv = b * (P + Tn) * slot_bytes
-        window = kv  # what a decode step's attention reads per layer (all layers' worth)
-        if paged:
-            distinct = math.ceil(min(st.distinct, B) / mesh.rows)
-            N, prev = paged_pool_blocks(int(b), distinct, P, Tn, blk)
-            kv = (N + (prev if prev < N else 0)) * blk * slot_bytes
-        # Prefill, before rows are expanded to their episodes: the distinct prompts' cache (paged: prompt
-        # slots only), one layer's attention scores over the prompt (float32, and their probabilities) and
-        # its residual stream (coefficients from XLA's memory analysis of the prefill program, tests/test_plan.py).
-        pre = (2 * cfg.num_layers * bu * kv_heads * cfg.head_dim * (P + (0 if paged else Tn)) * e
-               + bu * q_heads * P * P * (4 + 0.7 * e) + bu * P * cfg.hidden_size * e)
-        # A decode step holds one layer's keys and values over the attention window (about 1.5 copies,
-        # from XLA's memory analysis; paged: the gathered blocks) and the float32 logits with their softmax.
-        step = 1.5 * window / cfg.num_layers + b * cfg.vocab_size * 4 * 2
+        b = B / mesh.rows
+        if budget > 0:
+            conc = budget_concurrency(cfg, config, st, mesh, max_batch, budget, blk)["concurrent"]
+            b = math.ceil(max(conc, 1) / mesh.rows)
+            kv = budget * GiB
+            # The prompts are prefilled into the pool's blocks as their rows are admitted: at most the rows
+            # that decode at once, and no more prompt tokens than rollout.max_batched_tokens when it is set.
+            bu = min(bu, b)
+            mbt = int(config.rollout.get("max_batched_tokens", 0))
+            if mbt:
+                bu = min(bu, max(1, mbt // (min(chunk, P) * mesh.rows)))
+            pre = prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh)
+        else:
+            kv = b * (P + Tn) * slot
+            if paged:
+                distinct = math.ceil(min(st.distinct, B) / mesh.rows)
+                N, prev = paged_pool_blocks(int(b), distinct, P, Tn, blk)
+                kv = (N + (prev if prev < N else 0)) * blk * slot
+            # The distinct prompts' cache (paged: prompt slots only) and one chunk's temporaries.
+            pre = bu * (P + (0 if paged else Tn)) * slot + prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh)
+        step = decode_step_bytes(cfg, b, P + Tn, e, mesh)
         if kv + step + pre > worst_kv + worst_pre:
-            worst_kv, worst_pre, worst_b = kv + step, pre, B
+            worst_kv, worst_pre, worst_b = kv + step, pre, int(b * mesh.rows)
     return worst_kv, worst_pre, worst_b
+
+
+def item_rows(knobs: Knobs, T: int) -> int:
+    """Rows of one update item (all devices): micro_batch, or what the token budget holds at T tokens."""
+    from marl_jax.rl.memory import budget_rows
+    return budget_rows(knobs.max_tokens, T) if knobs.max_tokens else knobs.micro_batch
 
 
 def activation_bytes(cfg: ModelConfig, config, w: Workload, knobs: Knobs, T: int | None = None,
                      W: int | None = None) -> float:
-    """Temporaries of one update work item (one micro-batch of one slot) per device."""
+    """Temporaries of one update work item (one micro-batch of one slot, or one token budget's rows at the
+    longest window) per device: marl_jax.rl.memory.activation_bytes under the item's attention."""
+    from marl_jax.rl import memory
     T = T or w.seq_len
     W = W or w.window
-    e = _bytes(config.model.dtype)
     m = knobs.mesh
-    b = math.ceil(knobs.micro_batch / m.rows)
-    D, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
-    hq = cfg.num_heads // _div(cfg.num_heads, m.model)
-    qd, kvd = hq * cfg.head_dim, cfg.kv_dim // _div(cfg.num_kv_heads, m.model)
-    f = F // _div(F, m.model)
+    rows = math.ceil(item_rows(knobs, T) / m.rows)
+    impl = memory.attention_impl(cfg, T, T, knobs.backend)
     r = config.trainable.rank if config.trainable.mode == "lora" else 0
-    tok = b * T
-    # One layer, everything kept (per token): the residual stream, norms and their float32 statistics
-    # (8 D wide), q before / after norm and rope and the attention output (6 q wide), k and v (5 kv
-    # wide), the MLP's gate, up, sigmoid, silu and product (5 F wide), LoRA's x @ A (7, rank wide,
-    # float32); and per query-key pair the float32 scores and the probabilities. Coefficients counted
-    # from the decoder and checked against XLA's memory analysis (tests/test_plan.py).
-    layer_vectors = tok * (8 * D + 6 * qd + 5 * kvd + 5 * f) * e + tok * 7 * r * 4
-    layer_attn = b * hq * T * T * (4 + e)
-    layer = layer_vectors + layer_attn
-    if knobs.remat == "none":
-        # Every layer's activations, plus about one layer's cotangents in the backward pass.
-        saved = (L + 0.75) * layer
-    elif knobs.remat == "dots":
-        # The weight matmuls' outputs are kept (with LoRA, the adapter's too), the rest is recomputed one
-        # layer at a time; that layer's attention and its cotangent are the transient.
-        dots = tok * (2 * D + qd + 2 * kvd + 2 * f) * e * (2 if r else 1) + tok * 7 * r * 4
-        saved = L * dots + 0.25 * layer_vectors + 2 * layer_attn
-    else:
-        # Each layer's input (and its cotangent), plus one layer recomputed with its attention cotangent.
-        saved = L * 2 * tok * D * e + layer_vectors + 1.5 * layer_attn
-    # The scored window's logits in float32, their softmax and its cotangent.
-    logits = 3 * b * W * V * 4 / _div(V, m.model)  # the vocabulary is split over "model"
-    return saved + logits
+    return memory.activation_bytes(cfg, rows=rows, T=T, W=min(W, T), remat=knobs.remat, e=_bytes(config.model.dtype),
+                                   rank=r, model_shards=m.model, impl=impl)
 
 
 def batch_bytes(w: Workload, micro_batch: int, mesh: Mesh) -> float:
@@ -412,7 +469,7 @@ def batch_bytes(w: Workload, micro_batch: int, mesh: Mesh) -> float:
 
 def memory(cfg: ModelConfig, config, w: Workload, knobs: Knobs) -> dict[str, float]:
     st = static_bytes(cfg, config, w, knobs.mesh)
-    kv, prefill, B = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch)
+    kv, prefill, B = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch, knobs.kv_budget_gb)
     act = activation_bytes(cfg, config, w, knobs)
     held = st["base_weights"] + st["trainable"] + st["optimizer"]
     out = dict(st, kv_cache=kv, prefill_transient=prefill, sampler_batch=B, activations=act,
@@ -428,7 +485,12 @@ def memory(cfg: ModelConfig, config, w: Workload, knobs: Knobs) -> dict[str, flo
 
 
 def roofline(cfg: ModelConfig, config, w: Workload, knobs: Knobs, chip: Chip) -> dict[str, float]:
-    """Seconds: decode (HBM bound: weights + live KV read per step), prefill and update (FLOP bound)."""
+    """Seconds: decode (HBM bound: weights + live KV read per step), prefill and update (FLOP bound).
+
+    Decode runs in waves of the rows that decode at once (rollout.max_batch, or under a KV budget the rows
+    whose blocks fit the pool). preempt_s is preemption's worst case under a budget: rows admitted on their
+    prompt blocks beyond those that fit at full length are each preempted once, when the pool runs dry, and
+    re-prefill their prompt and the tokens they had (counted in step_s)."""
     from marl_jax.generate.sampler import length_bucket
     m = knobs.mesh
     n = m.size
@@ -436,16 +498,26 @@ def roofline(cfg: ModelConfig, config, w: Workload, knobs: Knobs, chip: Chip) ->
     N = cfg.num_params()
     lora = config.trainable.mode == "lora"
     kv_tok = 2 * cfg.num_layers * cfg.kv_dim * e  # KV bytes per cached token
-    decode = prefill = 0.0
+    blk = int(config.rollout.get("kv_block", 16))
+    decode = prefill = preempt = 0.0
+    waves_max = 0
     for st in w.stages:
-        chunks = math.ceil(st.rows / knobs.max_batch)
         B = min(st.rows, knobs.max_batch)
         P, Tn = length_bucket(st.prompt), length_bucket(st.new)
+        if knobs.kv_budget_gb > 0:
+            cc = budget_concurrency(cfg, config, st, m, knobs.max_batch, knobs.kv_budget_gb, blk)
+            B = max(1, cc["concurrent"])
+            extra = max(0, cc["admitted"] - B)  # preempted once per wave, at slots_at_preemption
+            waves = math.ceil(st.rows / B)
+            ctx = cc["slots_at_preemption"]
+            preempt += waves * extra * ctx * cfg.flops_per_token(ctx // 2) / (n * chip.bf16_flops)
+        waves = math.ceil(st.rows / B)
+        waves_max = max(waves_max, waves)
         # Every decode step reads the weights each device holds after the fsdp gather (in param_dtype, cast
         # in the matmul) and the live cache (prompt + half the new tokens on average), rows split over data * fsdp.
         per_step = N * _bytes(param_dtype(config)) / m.model + B / m.rows * (P + Tn / 2) * kv_tok / _div(cfg.num_kv_heads, m.model)
         flops = 2 * B / n * cfg.flops_per_token(P + Tn // 2) / 2
-        decode += chunks * Tn * max(per_step / chip.hbm_bw, flops / chip.bf16_flops)
+        decode += waves * Tn * max(per_step / chip.hbm_bw, flops / chip.bf16_flops)
         prefill += st.distinct * st.prompt * cfg.flops_per_token(st.prompt // 2) / (n * chip.bf16_flops)
     tokens = sum(st.rows * (st.prompt + st.new) for st in w.stages)
     ctx = w.seq_len // 2
@@ -456,8 +528,9 @@ def roofline(cfg: ModelConfig, config, w: Workload, knobs: Knobs, chip: Chip) ->
     attn_fwd = tokens * 2 * 2 * cfg.num_layers * cfg.q_dim * ctx
     recompute = {"none": 0.0, "dots": attn_fwd, "full": fwd}[knobs.remat]
     update = (fwd + bwd + recompute) / (n * chip.bf16_flops)
-    return {"decode_s": decode, "prefill_s": prefill, "update_s": update, "update_flops": fwd + bwd + recompute,
-            "step_s": decode + prefill + update}
+    return {"decode_s": decode, "prefill_s": prefill, "preempt_s": preempt, "update_s": update,
+            "update_flops": fwd + bwd + recompute, "decode_waves": waves_max,
+            "step_s": decode + prefill + preempt + update}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,53 +567,149 @@ def config_mesh(config, n: int) -> Mesh:
 REMATS = ("none", "dots", "full")
 
 
-def smallest_fit(cfg, config, w, chip: Chip, n: int) -> Knobs | None:
-    """On n chips: the least sharding (fewest fsdp * model devices) under which some settings fit, with
-    the largest sampler batch, then the largest micro-batch and the least remat that fit."""
-    limit = USABLE * chip.hbm
-    mbs = sorted({int(config.grpo.micro_batch) >> i for i in range(12)} - {0}, reverse=True)
-    batches = sorted({int(config.rollout.max_batch) >> i for i in range(12)} - {0}, reverse=True)
-    for mesh in sorted(meshes(n), key=lambda m: (m.fsdp * m.model, m.model)):
-        probe = Knobs(mesh, mbs[0], "full", batches[0])
-        mb_remat = next(((mb, r) for mb in mbs for r in REMATS
-                         if memory(cfg, config, w, dataclasses.replace(probe, micro_batch=mb, remat=r))["update_peak"]
-                         <= limit), None)
-        mx = next((B for B in batches
-                   if memory(cfg, config, w, dataclasses.replace(probe, max_batch=B))["rollout_peak"] <= limit), None)
-        if mb_remat and mx:
-            return Knobs(mesh, mb_remat[0], mb_remat[1], mx)
+def _row_fits(cfg, config, w, mesh, budget_gb) -> bool:
+    """Every stage's longest row fits the pool alone (else the sampler refuses it)."""
+    blk = int(config.rollout.get("kv_block", 16))
+    return all(budget_concurrency(cfg, config, st, mesh, 1, budget_gb, blk)["concurrent"] >= 1 for st in w.stages)
+
+
+def kv_budget_that_fits(cfg, config, w: Workload, knobs: Knobs, limit: float) -> float:
+    """The largest KV budget (GiB per device, in steps of 0.5) with which the rollout fits `limit`, no more than
+    the rows at once need; 0 when none does (not even one row of the longest stage fits beside the rest)."""
+    probe = dataclasses.replace(knobs, kv_budget_gb=0.5)
+    mem = memory(cfg, config, w, probe)
+    room = limit - (mem["rollout_peak"] - mem["kv_cache"]) - 1.0 * GiB  # decode step transients: 1 GiB margin
+    dense = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch, 0.0)[0]
+    g = math.floor(min(room, dense) / GiB * 2) / 2
+    while g >= 0.5:
+        k = dataclasses.replace(knobs, kv_budget_gb=g)
+        if _row_fits(cfg, config, w, knobs.mesh, g) and memory(cfg, config, w, k)["rollout_peak"] <= limit:
+            return g
+        g -= 0.5
+    return 0.0
+
+
+def token_budgets(w: Workload, mesh: Mesh) -> list[int]:
+    """Candidate grpo.max_tokens_per_micro_batch values, largest first: the longest row times 64 ... 1 rows per device."""
+    return [w.seq_len * mesh.rows * k for k in (64, 32, 16, 8, 4, 2, 1)]
+
+
+def fit_update(cfg, config, w, knobs: Knobs, limit: float) -> Knobs | None:
+    """The largest token budget (or, as configured, micro-batch) and the least remat whose update fits."""
+    if knobs.max_tokens or config.grpo.get("max_tokens_per_micro_batch", 0):
+        cands = [dict(max_tokens=b) for b in token_budgets(w, knobs.mesh)]
+    else:
+        cands = [dict(micro_batch=mb) for mb in sorted({int(knobs.micro_batch) >> i for i in range(12)} - {0},
+                                                        reverse=True)]
+        cands += [dict(max_tokens=b) for b in token_budgets(w, knobs.mesh)]
+    for c in cands:
+        for r in REMATS:
+            k = dataclasses.replace(knobs, remat=r, **c)
+            if memory(cfg, config, w, k)["update_peak"] <= limit:
+                return k
     return None
 
 
-def plan(config, chip_spec: str, prompt_tokens: int = 512) -> dict[str, Any]:
+def fit_rollout(cfg, config, w, knobs: Knobs, limit: float) -> Knobs | None:
+    """The knobs as they are when the rollout fits, else with the KV budget that fits (None: none does)."""
+    if memory(cfg, config, w, knobs)["rollout_peak"] <= limit:
+        return knobs
+    g = kv_budget_that_fits(cfg, config, w, knobs, limit)
+    return dataclasses.replace(knobs, kv_budget_gb=g) if g else None
+
+
+def smallest_fit(cfg, config, w, chip: Chip, n: int, knobs: Knobs | None = None) -> Knobs | None:
+    """On n chips: the least sharding (fewest fsdp * model devices) under which the step fits, with the
+    configured max_batch and, where needed, a KV budget (the rollout) and a token budget or smaller
+    micro-batch and more remat (the update)."""
+    limit = USABLE * chip.hbm
+    base = knobs or Knobs(Mesh(n), int(config.grpo.micro_batch), "full", int(config.rollout.max_batch),
+                          float(config.rollout.get("kv_budget_gb", 0.0)),
+                          int(config.grpo.get("max_tokens_per_micro_batch", 0)), chip.kind)
+    for mesh in sorted(meshes(n), key=lambda m: (m.fsdp * m.model, m.model)):
+        k = dataclasses.replace(base, mesh=mesh)
+        if (k.max_tokens or k.kv_budget_gb) and mesh.rows != base.mesh.rows:  # budgets scale with the rows
+            k = dataclasses.replace(k, max_tokens=k.max_tokens and k.max_tokens * mesh.rows // max(base.mesh.rows, 1))
+        up = fit_update(cfg, config, w, k, limit)
+        if up is None:
+            continue
+        ro = fit_rollout(cfg, config, w, up, limit)
+        if ro is not None:
+            return ro
+    return None
+
+
+def knob_flags(k: Knobs, config) -> str:
+    """The --config flags that set these knobs."""
+    out = [f"--config.mesh.data={k.mesh.data} --config.mesh.fsdp={k.mesh.fsdp} --config.mesh.model={k.mesh.model}"]
+    if k.max_tokens:
+        out.append(f"--config.grpo.max_tokens_per_micro_batch={k.max_tokens}")
+    else:
+        out.append(f"--config.grpo.micro_batch={k.micro_batch}")
+    out.append(f"--config.grpo.remat={k.remat}")
+    if k.kv_budget_gb:
+        out.append(f"--config.rollout.kv_budget_gb={k.kv_budget_gb:g} --config.rollout.paged_kv=true")
+    if k.max_batch != int(config.rollout.max_batch):
+        out.append(f"--config.rollout.max_batch={k.max_batch}")
+    return " ".join(out)
+
+
+def configured_knobs(config, mesh: Mesh, chip: Chip) -> Knobs:
+    return Knobs(mesh, int(config.grpo.micro_batch), str(config.grpo.remat), int(config.rollout.max_batch),
+                 float(config.rollout.get("kv_budget_gb", 0.0)), int(config.grpo.get("max_tokens_per_micro_batch", 0)),
+                 chip.kind)
+
+
+def plan(config, chip_spec: str, prompt_tokens: int = 512, search_chips: bool = True) -> dict[str, Any]:
     chip, n = parse_chip(chip_spec)
     cfg = model_config(config.model.name)
     w = workload(config, prompt_tokens)
     mesh = config_mesh(config, n)
-    knobs = Knobs(mesh, int(config.grpo.micro_batch), str(config.grpo.remat), int(config.rollout.max_batch))
+    knobs = configured_knobs(config, mesh, chip)
+    if knobs.remat == "auto":
+        knobs = dataclasses.replace(knobs, remat="full")
     mem = memory(cfg, config, w, knobs)
     limit = USABLE * chip.hbm
     mbs = sorted({1, 2, 4, 8, 16, int(config.grpo.micro_batch)})
-    table = {r: {mb: memory(cfg, config, w, dataclasses.replace(knobs, micro_batch=mb, remat=r))["update_peak"]
+    table = {r: {mb: memory(cfg, config, w, dataclasses.replace(knobs, micro_batch=mb, remat=r,
+                                                                max_tokens=0))["update_peak"]
                  for mb in mbs} for r in REMATS}
-    fit = smallest_fit(cfg, config, w, chip, n)
-    fewest = next((k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if smallest_fit(cfg, config, w, chip, k)), None)
+    # With the configured mesh first (the knobs to set on it), else the least sharding that fits.
+    fit = None
+    up = fit_update(cfg, config, w, knobs, limit)
+    if up is not None:
+        fit = fit_rollout(cfg, config, w, up, limit)
+    fit = fit or smallest_fit(cfg, config, w, chip, n, knobs)
+    # The largest token budget (grpo.max_tokens_per_micro_batch) whose update fits with those knobs' mesh and remat.
+    tb = None
+    if fit is not None:
+        tb = next((b for b in token_budgets(w, fit.mesh) if memory(cfg, config, w, dataclasses.replace(
+            fit, max_tokens=b))["update_peak"] <= limit), None)
+    fewest = None
+    if search_chips:
+        fewest = next((k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if smallest_fit(cfg, config, w, chip, k)), None)
+    kv_layout = ("paged, a KV budget of %g GiB per device" % knobs.kv_budget_gb if knobs.kv_budget_gb
+                 else f"paged, {int(config.rollout.kv_block)}-slot blocks" if config.rollout.get("paged_kv", False)
+                 else "dense")
     return {
         "chip": chip_spec, "chip_name": chip.name, "devices": n, "hosts": math.ceil(n / chip.per_host),
         "hbm_per_device": chip.hbm, "usable_per_device": limit,
         "model": config.model.name, "params": cfg.num_params(), "dtype": config.model.dtype,
-        "param_dtype": param_dtype(config),
+        "param_dtype": param_dtype(config), "attention": config.model.get("attention", "auto"),
         "workflow": config.workflow, "policy": config.policy, "slots": w.num_slots,
         "trainable": config.trainable.mode + (f" r{config.trainable.rank}" if config.trainable.mode == "lora" else ""),
         "stages": [dataclasses.asdict(s) for s in w.stages], "seq_len": w.seq_len, "window": w.window,
-        "kv_layout": (f"paged, {int(config.rollout.kv_block)}-slot blocks" if config.rollout.get("paged_kv", False)
-                      else "dense"),
-        "mesh": str(mesh), "micro_batch": knobs.micro_batch, "remat": knobs.remat, "max_batch": knobs.max_batch,
+        "kv_layout": kv_layout, "prefill_chunk": int(config.rollout.get("prefill_chunk", 2048)),
+        "mesh": str(mesh), "micro_batch": knobs.micro_batch, "max_tokens_per_micro_batch": knobs.max_tokens,
+        "remat": knobs.remat, "max_batch": knobs.max_batch, "kv_budget_gb": knobs.kv_budget_gb,
         "memory": mem, "fits": mem["peak"] <= limit,
         "update_peak_by_remat_and_micro_batch": table,
-        "smallest_fit": None if fit is None else {"mesh": str(fit.mesh), "micro_batch": fit.micro_batch,
-                                                  "remat": fit.remat, "max_batch": fit.max_batch,
-                                                  "time": roofline(cfg, config, w, fit, chip)},
+        "smallest_fit": None if fit is None else {
+            "mesh": str(fit.mesh), "micro_batch": fit.micro_batch, "max_tokens_per_micro_batch": fit.max_tokens,
+            "remat": fit.remat, "max_batch": fit.max_batch, "kv_budget_gb": fit.kv_budget_gb,
+            "flags": knob_flags(fit, config), "memory": memory(cfg, config, w, fit),
+            "time": roofline(cfg, config, w, fit, chip)},
+        "token_budget": tb,
         "fewest_chips": fewest,
         "time": roofline(cfg, config, w, knobs, chip),
     }
@@ -552,20 +721,20 @@ def _gb(x: float) -> str:
 
 def format_plan(p: dict[str, Any]) -> str:
     m = p["memory"]
+    items = (f"token budget {p['max_tokens_per_micro_batch']}" if p.get("max_tokens_per_micro_batch")
+             else f"micro-batch {p['micro_batch']}")
     lines = [
         f"{p['workflow']} / {p['policy']} on {p['model']} ({p['params'] / 1e9:.2f}B params, {p['dtype']} compute, "
-        f"{p.get('param_dtype', 'float32')} base weights, "
+        f"{p.get('param_dtype', 'float32')} base weights, attention {p.get('attention', 'auto')}, "
         f"{p['trainable']}, {p['slots']} slot(s))",
         f"chip {p['chip']}: {p['devices']} x {p['chip_name']} on {p['hosts']} host(s), "
         f"{p['hbm_per_device'] / GiB:.1f} GiB HBM each (plan to {p['usable_per_device'] / GiB:.1f} GiB)",
-        f"mesh (data x fsdp x model) {p['mesh']}, micro-batch {p['micro_batch']}, remat {p['remat']}, "
-        f"update rows of {p['seq_len']} tokens ({p['window']} scored)",
+        f"mesh (data x fsdp x model) {p['mesh']}, {items}, remat {p['remat']}, "
+        f"update rows of {p['seq_len']} tokens ({p['window']} scored), prefill chunks of {p.get('prefill_chunk')}",
         "stages (worst case: every row runs to its limit): " + "; ".join(
             f"{s['role']} {s['rows']} rows, prompt {s['prompt']} + {s['new']}" for s in p["stages"]),
         "",
-        f"KV cache: {p['kv_layout']}" + (" (worst case: the pool when every row runs to its limit, plus the pool "
-                                         "before its last growth; a task's episodes share prompt blocks)"
-                                         if p["kv_layout"] != "dense" else ""),
+        f"KV cache: {p['kv_layout']}, up to {m['sampler_batch']} rows decoding at once",
         "",
         "| per device | GiB |",
         "|---|---|",
@@ -580,19 +749,92 @@ def format_plan(p: dict[str, Any]) -> str:
     for remat, row in p["update_peak_by_remat_and_micro_batch"].items():
         lines.append(f"| {remat} | " + " | ".join(_gb(v).strip() for v in row.values()) + " |")
     f = p["smallest_fit"]
-    lines += ["", "smallest that fits on this slice: " + (
-        f"--config.mesh (data x fsdp x model) {f['mesh']} --config.grpo.micro_batch={f['micro_batch']} "
-        f"--config.grpo.remat={f['remat']} --config.rollout.max_batch={f['max_batch']}" if f
-        else "nothing: use more chips"),
+    lines += ["", "knobs that fit this slice: " + (
+        f"{f['flags']} (peak {_gb(f['memory']['peak']).strip()} GiB)" if f else "nothing: use more chips"),
+        f"token budget that fits with them: " + (f"--config.grpo.max_tokens_per_micro_batch={p['token_budget']} "
+                                                  f"(an update item of at most that many tokens over the mesh's rows)"
+                                                  if p.get("token_budget") else "none"),
         f"fewest chips of this kind that hold it: {p['fewest_chips'] or 'more than 256'}", ""]
 
     def t_line(name, t):
-        return (f"roofline per training step, {name}: decode {t['decode_s']:.1f} s + prefill {t['prefill_s']:.1f} s + "
-                f"update {t['update_s']:.1f} s = {t['step_s']:.1f} s")
+        pre = f" + preemption worst case {t['preempt_s']:.1f} s" if t.get("preempt_s") else ""
+        return (f"roofline per training step, {name}: decode {t['decode_s']:.1f} s ({t.get('decode_waves', 1)} "
+                f"wave(s)) + prefill {t['prefill_s']:.1f} s{pre} + update {t['update_s']:.1f} s = {t['step_s']:.1f} s")
     lines.append(t_line("as configured", p["time"]))
     if f:
-        lines.append(t_line("smallest fit", f["time"]))
+        lines.append(t_line("with the knobs", f["time"]))
     lines.append("(lower bounds: perfect overlap, no compilation or host work, every row at its limit)")
+    return "\n".join(lines)
+
+
+PRESET_WORKFLOWS = ("eval_opt", "voting", "orch_workers", "single_agent")
+PRESET_ARGS = tuple(f"qwen3-{m},{t}" for m in ("0.6b", "1.7b", "4b") for t in ("math", "code"))
+TABLE_CHIPS = ("ref", "v5p-8", "v6e-8", "H100-80GB", "v5e-8")
+
+
+def _ref_chip(workflow: str) -> str:
+    """The reference's hardware: 2 x H100-80GB, 4 for orch_workers (its launcher asks for 4 GPUs)."""
+    return "H100-80GBx4" if workflow == "orch_workers" else "H100-80GBx2"
+
+
+def preset_rows(chips=TABLE_CHIPS, prompt_tokens: int = 512, overrides: dict | None = None) -> list[dict]:
+    """Every paper preset on every chip: fits as configured, with the knobs the plan prints, or not (then the
+    fewest chips of that kind that hold it)."""
+    from marl_jax.configs import get_config
+    out = []
+    for wf in PRESET_WORKFLOWS:
+        for arg in PRESET_ARGS:
+            config = get_config(wf, arg)
+            for key, v in (overrides or {}).items():
+                node = config
+                *head, last = key.split(".")
+                for h in head:
+                    node = node[h]
+                node[last] = v
+            for chip in chips:
+                spec = _ref_chip(wf) if chip == "ref" else chip
+                p = plan(config, spec, prompt_tokens, search_chips=False)
+                f = p["smallest_fit"]
+                row = {"preset": f"{wf}:{arg}", "chip": spec, "fits": p["fits"], "peak_gib": p["memory"]["peak"] / GiB,
+                       "step_s": p["time"]["step_s"], "knobs": None, "fewest_chips": None}
+                if f:
+                    row.update(knobs=f["flags"], knob_peak_gib=f["memory"]["peak"] / GiB, knob_step_s=f["time"]["step_s"],
+                               preempt_s=f["time"]["preempt_s"], waves=f["time"]["decode_waves"])
+                else:
+                    chip_, _ = parse_chip(spec)
+                    w = workload(config, prompt_tokens)
+                    cfg = model_config(config.model.name)
+                    row["fewest_chips"] = next((k for k in (1, 2, 4, 8, 16, 32, 64) if
+                                                smallest_fit(cfg, config, w, chip_, k)), None)
+                out.append(row)
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per preset, one column per chip: 'yes s' (fits as configured), 'knobs s' (fits with the knobs
+    the plan prints), 'no (N)' (fewest chips of that kind that hold it); then the knobs per cell."""
+    chips = list(dict.fromkeys("ref" if r["chip"].startswith("H100-80GBx") else r["chip"] for r in rows))
+    names = {"ref": "reference (2 x H100-80GB; 4 for orch_workers)"}
+    lines = ["| preset | " + " | ".join(names.get(c, c) for c in chips) + " |", "|---" * (len(chips) + 1) + "|"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["preset"], []).append(r)
+
+    def cell(r):
+        if r["fits"]:
+            return f"yes, {r['step_s']:.0f} s"
+        if r["knobs"]:
+            return f"knobs, {r['knob_step_s']:.0f} s"
+        return f"no ({r['fewest_chips'] or '>64'} chips)"
+    for preset, rs in by.items():
+        lines.append(f"| {preset} | " + " | ".join(cell(r) for r in rs) + " |")
+    lines += ["", "| preset | chip | peak as configured GiB | knobs | peak with knobs GiB | decode waves | "
+              "preemption worst case s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["knobs"] and not r["fits"]:
+            knobs = r["knobs"].replace("--config.", "")
+            lines.append(f"| {r['preset']} | {r['chip']} | {r['peak_gib']:.1f} | `{knobs}` | {r['knob_peak_gib']:.1f} | "
+                         f"{r['waves']} | {r['preempt_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -600,10 +842,23 @@ def main(argv):
     from absl import app
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if FLAGS.table:
+        print(format_table(preset_rows(prompt_tokens=FLAGS.prompt_tokens)))
+        return
     from marl_jax.config import validate
     config = FLAGS.config
+    if config is None:
+        raise app.UsageError("--config is required (or --table)")
     try:
         validate(config)
+        if FLAGS.aot:
+            from marl_jax import plan_aot
+            try:
+                r = plan_aot.aot(config, FLAGS.chip, prompt_tokens=FLAGS.prompt_tokens, layers=FLAGS.aot_layers)
+            except ValueError as e:  # no libtpu, or a GPU: one line, not the usage text
+                raise SystemExit(f"marl_jax.plan: {e}")
+            print(json.dumps(r, indent=1, default=str) if FLAGS.json else plan_aot.format_aot(r))
+            return
         p = plan(config, FLAGS.chip, FLAGS.prompt_tokens)
     except ValueError as e:
         raise app.UsageError(str(e))
@@ -620,6 +875,10 @@ if __name__ == "__main__":
     flags.DEFINE_integer("prompt_tokens", 512, "prompt tokens before any earlier stage's output (system prompt, "
                          "instructions and the problem)")
     flags.DEFINE_bool("json", False, "print JSON instead of tables")
+    flags.DEFINE_bool("aot", False, "compile the run's update item, prefill chunk and decode step for the TPU slice "
+                      "(libtpu, no TPU needed: pip install -e \".[aot]\") and print XLA's bytes and FLOPs beside the plan's")
+    flags.DEFINE_integer("aot_layers", 0, "with --aot: compile (and plan) a model of this many layers (0: all)")
     FLAGS = flags.FLAGS
-    flags.mark_flag_as_required("config")
+    flags.DEFINE_bool("table", False, "every paper preset on the reference's GPUs, v5p-8, v6e-8, one H100-80GB and "
+                      "v5e-8 (docs/planner.md)")
     app.run(main)

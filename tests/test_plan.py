@@ -3,9 +3,11 @@
 The update step (rl.update.make_train_step) and the sampler's decode and prefill programs are lowered
 and compiled (never run) for small models whose activations dominate; their argument and temporary
 bytes must be within 15% of marl_jax.plan's numbers. The shapes differ from the ones the
-coefficients were counted on."""
+coefficients were counted on. The prefill chunk and decode step programs, and the update item under
+memory-bounded attention, are checked in tests/test_plan_aot.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -109,40 +111,6 @@ def test_remat_ordering_and_micro_batch_scaling():
     assert P.activation_bytes(CFG, c, w, P.Knobs(P.Mesh(data=4), 4, "none", 256)) == one
 
 
-def test_kv_cache_and_prefill_match_the_sampler():
-    """The decode program's state argument is the KV cache the plan counts; the prefill's temporaries
-    hold the distinct prompts' cache and one layer's attention over the prompt."""
-    from marl_jax.generate.sampler import Sampler, SamplingParams
-
-    c = _config()
-    c.model.dtype = "float32"
-    B, prompt, new = 16, 240, 240  # buckets 256 + 256
-    st = P.Stage("worker", B, B, prompt, new)
-    w = P.Workload((st,), ROLES, {r: 0 for r in ROLES}, 1, 3, B)
-    kv, pre, b = P.kv_bytes(CFG, c, w, P.Mesh(), B)
-    assert b == B
-    sampler = Sampler(CFG, dtype=jnp.float32, max_batch=B)
-    sp = SamplingParams(max_new_tokens=256, temperature=1.0)
-    params = jax.eval_shape(lambda: decoder.init_params(CFG, jax.random.PRNGKey(0)))
-    cache = jax.eval_shape(lambda: decoder.init_cache(CFG, B, 512, jnp.float32))
-    sd = jax.ShapeDtypeStruct
-    from marl_jax.generate.sampler import DecodeState
-    state = DecodeState(cache, sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), bool),
-                        sd((B, 256), jnp.int32), sd((B, 256), jnp.float32), sd((B,), jnp.int32), sd((B,), jnp.int32))
-    key = jax.random.PRNGKey(0)
-    decode = sampler._decode_fn(sp, 256, 512).lower(params, None, jnp.int32(0), state, key, jnp.int32(0),
-                                                       jnp.int32(2 ** 31 - 1)).compile()
-    params_bytes = sum(x.size * 4 for x in jax.tree_util.tree_leaves(params))
-    # kv also counts the decode step's float32 logits (and their softmax), which the program holds as temporaries.
-    ma = decode.memory_analysis()
-    _close(kv, ma.argument_size_in_bytes - params_bytes + ma.temp_size_in_bytes)
-    prefill = sampler._prefill_fn(sp, 512, 256).lower(
-        params, None, jnp.int32(0), sd((0,), jnp.int32), sd((B, 256), jnp.int32), sd((B, 256), bool),
-        sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), sd((B,), jnp.int32), key,
-        None).compile().memory_analysis()  # offsets, expand, max_len, row ids; no prefix-cache pool
-    _close(pre, prefill.temp_size_in_bytes)
-
-
 @pytest.mark.parametrize("rows,distinct,plen,new", [(16, 16, 20, 100), (16, 4, 70, 30)])
 def test_paged_kv_pool_matches_the_sampler(rows, distinct, plen, new):
     """rollout.paged_kv: the planner replays the pool's growth; every row runs to its limit, the sampler's
@@ -212,3 +180,98 @@ def test_cli_prints_a_plan_and_a_search(tmp_path):
     assert "does NOT fit" in out.stdout and "roofline" in out.stdout
     out = run("--config=configs/voting.py:qwen3-4b,math", "--chip=v9")
     assert out.returncode != 0 and "unknown --chip" in out.stderr
+
+
+def test_the_training_path_does_not_import_the_planner():
+    """The planner is a leaf: the trainer and the update import neither it nor its AOT half."""
+    code = ("import sys, marl_jax.train.loop, marl_jax.rl.update; "
+            "bad = [m for m in ('marl_jax.plan', 'marl_jax.plan_aot') if m in sys.modules]; "
+            "assert not bad, bad; from marl_jax.train.loop import parallel_copies; "
+            "from marl_jax.rl.update import remat_for")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def _preset(wf="voting", arg="qwen3-1.7b,math", **over):
+    from marl_jax.configs import get_config
+    c = get_config(wf, arg)
+    for k, v in over.items():
+        sec, key = k.split("__")
+        c[sec][key] = v
+    return c
+
+
+def test_reference_lengths_have_no_quadratic_term():
+    """voting:qwen3-1.7b,math on a v5p-8 counted 1.7 TB from a [T, T] prefill; chunked prefill and linear
+    attention leave the dense KV cache as what does not fit, and the plan prints a KV budget that does."""
+    p = P.plan(_preset(), "v5p-8", search_chips=False)
+    m = p["memory"]
+    assert m["prefill_transient"] < 200 * P.GiB and m["activations"] < 40 * P.GiB
+    assert not p["fits"] and m["kv_cache"] > 100 * P.GiB
+    f = p["smallest_fit"]
+    assert "--config.rollout.kv_budget_gb=" in f["flags"] and "--config.rollout.paged_kv=true" in f["flags"]
+    assert f["memory"]["peak"] <= p["usable_per_device"] and f["kv_budget_gb"] > 10
+    assert f["time"]["decode_waves"] >= p["time"]["decode_waves"]
+    out = subprocess.run([sys.executable, "-m", "marl_jax.plan", "--config=configs/voting.py:qwen3-1.7b,math",
+                          "--chip=v5p-8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--config.rollout.kv_budget_gb=" in out.stdout and "preemption worst case" in out.stdout
+
+
+def test_kv_budget_sets_the_pool_and_the_concurrency():
+    c = _preset(rollout__kv_budget_gb=8.0, rollout__paged_kv=True)
+    cfg = P.model_config(c.model.name)
+    w = P.workload(c)
+    mesh = P.Mesh(4)
+    kv, pre, B = P.kv_bytes(cfg, c, w, mesh, 256)
+    assert 8 * P.GiB < kv < 8.5 * P.GiB  # the pool and one decode step's temporaries
+    st = max(w.stages, key=lambda s: s.prompt)
+    cc = P.budget_concurrency(cfg, c, st, mesh, 256, 8.0, 16)
+    slot = P.slot_bytes(cfg, c, mesh)
+    assert cc["concurrent"] == (int(8 * P.GiB // (16 * slot)) - 1) // cc["row_blocks"] * 4
+    assert cc["admitted"] >= cc["concurrent"] and 0 < cc["slots_at_preemption"] <= 15872 + 5120 + 16
+    k = P.Knobs(mesh, 8, "full", 256, kv_budget_gb=8.0, backend="tpu")
+    t8, t32 = P.roofline(cfg, c, w, k, P.CHIPS["v5p"]), P.roofline(cfg, c, w, dataclasses.replace(k, kv_budget_gb=32.0),
+                                                                   P.CHIPS["v5p"])
+    assert t8["decode_waves"] > t32["decode_waves"] and t8["preempt_s"] >= t32["preempt_s"] >= 0
+    # A pool that cannot hold the longest row alone is no fit.
+    assert not P._row_fits(cfg, c, w, mesh, 0.5 * slot * 1000 / P.GiB)
+
+
+def test_token_budget_bounds_an_item_by_tokens():
+    c = _config()
+    w = _workload(c)
+    k = P.Knobs(P.Mesh(), 8, "full", 256)
+    eight = P.activation_bytes(CFG, c, w, k)
+    budget = dataclasses.replace(k, max_tokens=2 * T)
+    assert P.item_rows(budget, T) == 2
+    assert P.activation_bytes(CFG, c, w, budget) == P.activation_bytes(CFG, c, w, dataclasses.replace(k, micro_batch=2))
+    assert P.activation_bytes(CFG, c, w, budget) < eight / 3
+    assert P.item_rows(dataclasses.replace(k, max_tokens=T // 2), T) == 1  # a longer row runs alone
+
+
+def test_attention_terms_are_linear_except_dense():
+    from marl_jax.rl import memory
+    kw = dict(rows=1, W=128, remat="full", e=2, rank=16)
+    for impl in ("blockwise", "splash", "cudnn"):
+        a, b = (memory.activation_bytes(CFG, T=t, impl=impl, **kw) for t in (8192, 16384))
+        assert 1.9 < (b - memory.activation_bytes(CFG, T=1, impl=impl, **kw)) / (
+            a - memory.activation_bytes(CFG, T=1, impl=impl, **kw)) < 2.1
+    a, b = (memory.activation_bytes(CFG, T=t, impl="dense", **kw) for t in (8192, 16384))
+    assert b / a > 3.5
+    assert memory.attention_impl(CFG, 8192, 8192, "tpu") == "splash"
+    assert memory.attention_impl(CFG, 8192, 8192, "gpu") == "cudnn"
+    assert memory.attention_impl(CFG, 256, 256, "tpu") == "dense"
+    # A prefill chunk against a long prompt is linear in the prompt (blockwise: the kernels take no cache chunk).
+    x, y = (P.prefill_chunk_bytes(CFG, 4, 2048, p, 2) for p in (16384, 32768))
+    assert y < 2.1 * x
+
+
+def test_table_lists_every_preset_on_every_chip():
+    rows = P.preset_rows(chips=("ref", "v5p-8"))
+    assert len(rows) == 4 * 6 * 2
+    assert {r["chip"] for r in rows} == {"H100-80GBx2", "H100-80GBx4", "v5p-8"}
+    assert all(r["fits"] or r["knobs"] for r in rows), [r["preset"] for r in rows if not (r["fits"] or r["knobs"])]
+    text = P.format_table(rows)
+    first = text.split("\n\n")[0].splitlines()
+    assert len(first) == 2 + 24 and first[2].startswith("| eval_opt:qwen3-0.6b,math | ")

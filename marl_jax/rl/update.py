@@ -46,6 +46,8 @@ from marl_jax.policy.lora import PolicySpec, unstacked
 from marl_jax.rl import layout
 from marl_jax.rl import loss as L
 from marl_jax.rl.batch import TrainBatch
+# The memory model remat="auto" reads (marl_jax.rl.memory), importable from here as well.
+from marl_jax.rl.memory import remat_for  # noqa: F401
 # The host-side layout (marl_jax.rl.layout), importable from here as well.
 from marl_jax.rl.layout import (item_positions, item_windows, length_ladder, pack_batch, pack_rows,  # noqa: F401
                                 pack_shapes, pack_units, share_units)
@@ -123,22 +125,6 @@ class UpdateConfig:
 
 
 REMAT_MODES = ("none", "dots", "full", "auto")
-
-
-def remat_for(cfg: ModelConfig, rows: int, t: int, W: int, budget_bytes: float, *, dtype: str = "float32",
-              rank: int = 0) -> str:
-    """The remat mode with the least recomputation ("none", then "dots") whose activations for one item
-    of `rows` rows over t tokens (LM head on W positions) fit budget_bytes on one device, else "full".
-    Bytes from marl_jax.plan's memory model (checked there against XLA's memory analysis)."""
-    import types
-    from marl_jax import plan
-    conf = types.SimpleNamespace(model=types.SimpleNamespace(dtype=dtype),
-                                 trainable=types.SimpleNamespace(mode="lora" if rank else "full", rank=rank))
-    for mode in ("none", "dots"):
-        knobs = plan.Knobs(mesh=plan.Mesh(), micro_batch=rows, remat=mode, max_batch=1)
-        if plan.activation_bytes(cfg, conf, None, knobs, T=t, W=W) <= budget_bytes:
-            return mode
-    return "full"
 
 
 _HEAD_BYTES = 256 * 2 ** 20  # one item's float32 logits above this are computed in chunks of positions

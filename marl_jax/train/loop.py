@@ -29,6 +29,7 @@ from marl_jax.train.checkpoint import Checkpointer, ConfigChangedError, RESUMABL
 from marl_jax.train.cliff import CliffMonitor, detect_cliff
 from marl_jax.train.metrics import MetricsWriter, metrics_path, read_metrics
 from marl_jax.train.rundir import RunDir
+from marl_jax.workflows.base import parallel_copies  # noqa: F401 (importable from here as well)
 from marl_jax.workflows.rollout import run_episodes
 
 # Metrics that depend on wall-clock time (excluded when comparing resumed runs).
@@ -36,15 +37,6 @@ from marl_jax.workflows.rollout import run_episodes
 # not compared between runs that should otherwise agree.
 TIMING_KEYS = ("tokens_per_s", "step_s", "sampler_s", "glue_s", "reward_s", "update_s", "sample_prefill_s",
                "sample_decode_s", "sample_row_use", "sample_cached_frac", "sample_peak_kv_mib")
-
-
-def parallel_copies(workflow) -> dict[str, int]:
-    """Roles called several times in parallel on one episode (for copy-alignment diagnostics)."""
-    if hasattr(workflow, "n_votes"):
-        return {"generator": int(workflow.n_votes)}
-    if hasattr(workflow, "max_items"):
-        return {"worker": int(workflow.max_items)}
-    return {}
 
 
 def _host(x):

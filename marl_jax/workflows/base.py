@@ -407,3 +407,12 @@ class Workflow(abc.ABC):
     @classmethod
     def config_keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def parallel_copies(workflow) -> dict[str, int]:
+    """Roles called several times in parallel on one episode (for copy-alignment diagnostics)."""
+    if hasattr(workflow, "n_votes"):
+        return {"generator": int(workflow.n_votes)}
+    if hasattr(workflow, "max_items"):
+        return {"worker": int(workflow.max_items)}
+    return {}

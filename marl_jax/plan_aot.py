@@ -1,0 +1,274 @@
+"""XLA's own numbers for a run's programs, compiled from abstract arrays: `python -m marl_jax.plan --aot`.
+
+Three programs of a training step, built from the project's own functions (nothing is run, no array is
+allocated): one update item at the token budget (rl.update's per-row loss terms of one slot's micro-batch and
+their VJP: the gradient of that slot's adapters or weights), one prefill chunk (decoder.forward_cached over
+`rollout.prefill_chunk` tokens against a cache of the prompt's slots) and one decode step at
+`rollout.max_batch` rows over the paged pool of the KV budget's blocks (decoder.forward_cached with a
+decoder.init_paged PagedCache). Each is lowered with the run's mesh and shardings and compiled for
+
+  - the local devices (CPU here: what the tests check the planner against at small shapes), or
+  - a TPU slice without a TPU: libtpu's compile-only devices from
+    jax.experimental.topologies.get_topology_desc (install with `pip install -e ".[aot]"`).
+
+GPUs cannot be compiled for without one: jax's CUDA plugin needs a visible device to create its client.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax.models import decoder, sharding
+from marl_jax.models.decoder import ModelConfig
+
+AOT_INSTALL = 'pip install -e ".[aot]"'
+# TPU slice name -> libtpu topology (chips): v4 / v5p names count TensorCores (2 per chip).
+TOPOLOGIES = {"v4": ("v4", 3), "v5p": ("v5p", 3), "v5e": ("v5e", 2), "v6e": ("v6e", 2)}
+
+
+def topology_name(kind: str, chips: int) -> str:
+    """'v5p', 4 -> 'v5p:2x2x1'; 'v5e', 8 -> 'v5e:2x4'; 'v6e', 4 -> 'v6e:2x2'."""
+    name, dims = TOPOLOGIES[kind]
+    if dims == 3:
+        shapes = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
+    else:
+        shapes = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+    if chips not in shapes:
+        raise ValueError(f"no {kind} topology of {chips} chips here; use one of {sorted(shapes)} chips")
+    return f"{name}:{shapes[chips]}"
+
+
+def tpu_devices(kind: str, chips: int):
+    """Compile-only devices of a TPU slice (libtpu), or a ValueError saying how to install it."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise ValueError(f"--aot compiles for a TPU slice with libtpu, which is not installed: {AOT_INSTALL}")
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(topology_name=topology_name(kind, chips), platform="tpu")
+    return topo.devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str
+    fn: Any  # a jitted function
+    args: tuple  # abstract arguments (ShapeDtypeStruct with shardings)
+
+
+def _abstract(tree, shardings):
+    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _base(cfg, dtype, mesh, rules):
+    params = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.PRNGKey(0), dtype))
+    return _abstract(params, sharding.tree_shardings(params, mesh, rules))
+
+
+def _rows(tree, mesh, rules):
+    return _abstract(tree, jax.tree_util.tree_map(lambda x: sharding.batch_sharding(x, mesh, 0, rules), tree))
+
+
+def update_item(cfg: ModelConfig, *, rows: int, T: int, W: int, mesh, rules=None, mode: str = "lora", rank: int = 64,
+                remat: str = "full", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, metrics: bool = True) -> Program:
+    """One update work item: rows x T tokens of one slot, W scored positions; its loss terms and gradient."""
+    from marl_jax.policy.lora import PolicySpec, init_trainable
+    from marl_jax.rl.update import UpdateConfig, _row_terms
+
+    spec = PolicySpec(mode=mode, rank=rank, alpha=32.0, num_slots=1)
+    ucfg = UpdateConfig(micro_batch=rows, remat=remat, dtype=dtype, metrics=metrics)
+    base = _base(cfg, param_dtype, mesh, rules)
+    one = jax.eval_shape(lambda b: jax.tree_util.tree_map(lambda x: x[0], init_trainable(
+        spec, cfg, b, jax.random.PRNGKey(1))), jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                                      base))
+    one = _abstract(one, sharding.tree_shardings(one, mesh, rules))
+    sd = jax.ShapeDtypeStruct
+    r = {"tokens": sd((rows, T), jnp.int32), "valid": sd((rows, T), bool), "win_start": sd((rows,), jnp.int32),
+         "targets": sd((rows, W), jnp.int32), "loss_mask": sd((rows, W), jnp.float32),
+         "old_logp": sd((rows, W), jnp.float32), "advantages": sd((rows,), jnp.float32),
+         "kl_coef": sd((rows,), jnp.float32)}
+    r = _rows(r, mesh, rules)
+    cot = _rows(sd((rows,), jnp.float32), mesh, rules)
+
+    def item(mine, base, r, cot):
+        terms = lambda tr: _row_terms(cfg, spec, ucfg, base, tr, r, mesh, rules, norm_len=W, remat=remat)
+        nums, vjp, aux = jax.vjp(terms, mine, has_aux=True)
+        (g,) = vjp(cot.astype(nums.dtype))
+        return jnp.sum(nums), g
+
+    return Program("update item", jax.jit(item), (one, base, r, cot))
+
+
+def _cache_shardings(cache, mesh, rules):
+    axes = type(cache).AXES
+    return type(cache)(*(jax.sharding.NamedSharding(mesh, sharding.spec_for(n, x.shape, mesh, rules))
+                         for x, n in zip(cache, axes)))
+
+
+def prefill_chunk(cfg: ModelConfig, *, rows: int, chunk: int, prompt: int, mesh, rules=None, dtype=jnp.bfloat16,
+                  param_dtype=jnp.bfloat16) -> Program:
+    """One prefill chunk: `rows` distinct prompts' `chunk` tokens written into a cache of `prompt` slots, attending
+    to every slot before them (the last chunk of a long prompt: the widest window)."""
+    params = _base(cfg, param_dtype, mesh, rules)
+    cache = jax.eval_shape(lambda: decoder.init_cache(cfg, rows, prompt, dtype))
+    cache = _abstract(cache, _cache_shardings(cache, mesh, rules))
+    sd = jax.ShapeDtypeStruct
+    toks = _rows({"tokens": sd((rows, chunk), jnp.int32), "positions": sd((rows, chunk), jnp.int32),
+                  "valid": sd((rows, chunk), bool)}, mesh, rules)
+    start = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))
+
+    def run(params, cache, t, start):
+        return decoder.forward_cached(params, cfg, t["tokens"], t["positions"], cache, start, t["valid"],
+                                      dtype=dtype, last_only=True, window=prompt, mesh=mesh, rules=rules)
+
+    return Program("prefill chunk", jax.jit(run, donate_argnums=(1,)), (params, cache, toks, start))
+
+
+def decode_step(cfg: ModelConfig, *, rows: int, blocks: int, block: int, window: int, mesh, rules=None,
+                dtype=jnp.bfloat16, param_dtype=jnp.bfloat16) -> Program:
+    """One decode step: `rows` rows, one token each, over a paged pool of `blocks` blocks of `block` slots per
+    row shard, attending over `window` slots through their block tables."""
+    params = _base(cfg, param_dtype, mesh, rules)
+    shards = sharding.row_count(mesh)
+    cache = jax.eval_shape(lambda: decoder.init_paged(cfg, blocks, block, rows, window, shards, dtype))
+    cache = _abstract(cache, _cache_shardings(cache, mesh, rules))
+    sd = jax.ShapeDtypeStruct
+    t = _rows({"tokens": sd((rows, 1), jnp.int32), "positions": sd((rows, 1), jnp.int32),
+               "write": sd((rows,), jnp.int32), "valid": sd((rows, 1), bool)}, mesh, rules)
+
+    def run(params, cache, t):
+        return decoder.forward_cached(params, cfg, t["tokens"], t["positions"], cache, t["write"], t["valid"],
+                                      dtype=dtype, window=window, mesh=mesh, rules=rules)
+
+    return Program("decode step", jax.jit(run, donate_argnums=(1,)), (params, cache, t))
+
+
+def analyse(program: Program) -> dict[str, float]:
+    """Compile (never run) and read XLA's per-device bytes and its cost analysis."""
+    import time
+    t0 = time.perf_counter()
+    compiled = program.fn.lower(*program.args).compile()
+    ma = compiled.memory_analysis()
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else (ca or {})
+    return {"arguments": float(ma.argument_size_in_bytes), "temporaries": float(ma.temp_size_in_bytes),
+            "outputs": float(ma.output_size_in_bytes), "aliased": float(getattr(ma, "alias_size_in_bytes", 0)),
+            "flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
+            "compile_s": time.perf_counter() - t0}
+
+
+# ---- the plan's programs at a run's shapes, beside the plan's own numbers ----
+
+def run_shapes(cfg: ModelConfig, config, w, knobs) -> dict[str, dict]:
+    """Shapes of the three programs for a run (global rows) and the plan's per-device numbers for them."""
+    from marl_jax import plan as P
+    from marl_jax.generate.sampler import length_bucket
+    m = knobs.mesh
+    e = P._bytes(config.model.dtype)
+    T, W = w.seq_len, w.window
+    rows = P.item_rows(knobs, T)
+    rows = -(-rows // m.rows) * m.rows
+    st = max(w.stages, key=lambda s: s.prompt)
+    Pl, Tn = length_bucket(st.prompt), length_bucket(st.new)
+    chunk = min(int(config.rollout.get("prefill_chunk", 2048)), Pl)
+    bu = -(-min(st.distinct, knobs.max_batch) // m.rows) * m.rows
+    blk = int(config.rollout.get("kv_block", 16))
+    window = -(-(Pl + Tn) // blk) * blk
+    B = -(-min(max(s.rows for s in w.stages), knobs.max_batch) // m.rows) * m.rows
+    if knobs.kv_budget_gb:
+        blocks = int(knobs.kv_budget_gb * P.GiB // (blk * P.slot_bytes(cfg, config, m)))
+    else:
+        blocks = 1 + (B // m.rows) * (window // blk)
+    pr = cfg.num_params()
+    return {
+        "update item": dict(rows=rows, T=T, W=W, plan_temporaries=P.activation_bytes(cfg, config, w, knobs),
+                            plan_flops=rows * T * cfg.flops_per_token(T // 2) * (4 if knobs.remat == "full" else 3) / m.size),
+        "prefill chunk": dict(rows=bu, chunk=chunk, prompt=Pl,
+                              plan_temporaries=P.prefill_chunk_bytes(cfg, bu / m.rows, chunk, Pl, e, m),
+                              plan_flops=bu * chunk * cfg.flops_per_token(Pl) / m.size),
+        "decode step": dict(rows=B, blocks=blocks, block=blk, window=window,
+                            plan_temporaries=P.decode_step_bytes(cfg, B / m.rows, window, e, m),
+                            plan_flops=B * cfg.flops_per_token(window) / m.size),
+        "_": dict(params=pr),
+    }
+
+
+def programs_for(cfg: ModelConfig, config, shapes: dict, mesh, rules=None, backend: str = "tpu") -> list[Program]:
+    """The three programs at `shapes` (run_shapes) on `mesh`. model.attention=auto resolves as on `backend`
+    (the compiling host's jax.default_backend() is not the target's)."""
+    import dataclasses as dc
+    from marl_jax import plan as P
+    from marl_jax.rl.memory import attention_impl
+    dt = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+    pdt = jnp.bfloat16 if P.param_dtype(config) == "bfloat16" else jnp.float32
+    u, pf, d = shapes["update item"], shapes["prefill chunk"], shapes["decode step"]
+    ucfg = dc.replace(cfg, attention=attention_impl(cfg, u["T"], u["T"], backend))
+    pcfg = dc.replace(cfg, attention=attention_impl(cfg, pf["chunk"], pf["prompt"], "cpu"))
+    mode = config.trainable.mode
+    return [update_item(ucfg, rows=u["rows"], T=u["T"], W=u["W"], mesh=mesh, rules=rules, mode=mode,
+                        rank=int(config.trainable.rank), remat=shapes.get("remat", "full"), dtype=dt, param_dtype=pdt),
+            prefill_chunk(pcfg, rows=pf["rows"], chunk=pf["chunk"], prompt=pf["prompt"], mesh=mesh, rules=rules,
+                          dtype=dt, param_dtype=pdt),
+            decode_step(dc.replace(cfg, attention="dense"), rows=d["rows"], blocks=d["blocks"], block=d["block"],
+                        window=d["window"], mesh=mesh, rules=rules, dtype=dt, param_dtype=pdt)]
+
+
+def aot(config, chip_spec: str, knobs=None, prompt_tokens: int = 512, layers: int = 0) -> dict[str, Any]:
+    """Compile the run's three programs for a TPU slice (libtpu, no TPU needed) with the plan's knobs (the
+    configured ones, or those it prints when they do not fit), and return XLA's numbers beside the plan's.
+    layers > 0 compiles a model of that many layers (and plans the same model), to save compile time."""
+    import dataclasses as dc
+    from marl_jax import plan as P
+    chip, n = P.parse_chip(chip_spec)
+    if chip.kind != "tpu":
+        raise ValueError(f"--aot compiles for TPU slices only: a GPU ({chip_spec}) cannot be compiled for without "
+                         "one (jax's CUDA plugin needs a visible device)")
+    kind = next(k for k, c in P.CHIPS.items() if c is chip)
+    devices = tpu_devices(kind, n)
+    cfg = P.model_config(config.model.name)
+    if layers:
+        cfg = dc.replace(cfg, num_layers=layers)
+    w = P.workload(config, prompt_tokens)
+    if knobs is None:
+        p = P.plan(config, chip_spec, prompt_tokens, search_chips=False)
+        knobs = P.configured_knobs(config, P.config_mesh(config, n), chip)
+        if not p["fits"] and p["smallest_fit"]:
+            f = p["smallest_fit"]
+            knobs = dc.replace(knobs, mesh=P.Mesh(*map(int, f["mesh"].split("x"))), micro_batch=f["micro_batch"],
+                               remat=f["remat"], max_batch=f["max_batch"], kv_budget_gb=f["kv_budget_gb"],
+                               max_tokens=f["max_tokens_per_micro_batch"])
+    if knobs.remat == "auto":
+        knobs = dc.replace(knobs, remat="full")
+    m = knobs.mesh
+    mesh = sharding.make_mesh(m.data, m.model, devices=np.asarray(devices), fsdp=m.fsdp)
+    rules = sharding.parse_rules(config.mesh.get("rules", sharding.DEFAULT_RULES))
+    shapes = run_shapes(cfg, config, w, knobs)
+    shapes["remat"] = knobs.remat
+    out = {"chip": chip_spec, "devices": n, "mesh": str(m), "layers": cfg.num_layers, "knobs": P.knob_flags(knobs, config),
+           "programs": {}}
+    for prog in programs_for(cfg, config, shapes, mesh, rules, "tpu"):
+        x = analyse(prog)
+        out["programs"][prog.name] = dict(shapes[prog.name], **{f"xla_{k}": v for k, v in x.items()})
+    return out
+
+
+def format_aot(r: dict[str, Any]) -> str:
+    G = 2 ** 30
+    lines = [f"XLA for {r['chip']} ({r['devices']} devices, mesh {r['mesh']}, {r['layers']} layers), compiled "
+             f"without a TPU; knobs: {r['knobs']}", "",
+             "| program | shape | XLA arguments GiB | XLA temporaries GiB | plan temporaries GiB | XLA outputs GiB | "
+             "XLA TFLOP | plan TFLOP | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, p in r["programs"].items():
+        shape = {"update item": lambda: f"{p['rows']} x {p['T']} tokens, {p['W']} scored",
+                 "prefill chunk": lambda: f"{p['rows']} x {p['chunk']} against {p['prompt']}",
+                 "decode step": lambda: f"{p['rows']} rows, {p['blocks']} blocks of {p['block']}, window {p['window']}"}[name]()
+        lines.append(f"| {name} | {shape} | {p['xla_arguments'] / G:.2f} | {p['xla_temporaries'] / G:.2f} | "
+                     f"{p['plan_temporaries'] / G:.2f} | {p['xla_outputs'] / G:.2f} | {p['xla_flops'] / 1e12:.2f} | "
+                     f"{p['plan_flops'] / 1e12:.2f} | {p['xla_compile_s']:.0f} |")
+    lines.append("(per device; XLA's flops are its cost analysis of one device's program)")
+    return "\n".join(lines)
