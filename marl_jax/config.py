@@ -77,7 +77,7 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         entropy_coef=0.0, old_logp="sampler", micro_batch=8, diagnostics=True, diagnostics_every=1,
         metrics=True, copy_alignment=True,
         remat="full",  # none | dots | full: what the backward pass recomputes (memory vs ~20% more flops);
-        # auto: per token window, the least recomputation whose activations fit remat_budget_gb (marl_jax.plan)
+        # auto: per token window, the least recomputation whose activations fit remat_budget_gb (marl_jax.rl.memory)
         remat_budget_gb=4.0,
         # Sequence packing: a micro-batch's rows laid end to end in fewer sequences (attention never crosses
         # rows), fewer positions computed when rows are uneven; more compiled branches (marl_jax.rl.update)

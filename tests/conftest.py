@@ -17,6 +17,10 @@ import pytest
 
 SMOLLM = "smollm2-135m-instruct"
 
+# With the aot extra (libtpu) installed, the deviceless TPU compiles of tests/test_plan_aot.py may run while
+# another worker holds libtpu's lock file: allow it (nothing here runs on a TPU).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 # One XLA compilation cache for the whole session, fresh each time, shared with the subprocesses tests
 # start: tests build many samplers and trainers over the same tiny models, whose programs are the same
 # HLO under new jit objects (a hit skips XLA's compile; a third of the suite's time is compiling).
