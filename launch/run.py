@@ -73,8 +73,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from marl_jax.jax_setup import use_tcmalloc
+    from marl_jax.jax_setup import use_fast_allocator
 
-    use_tcmalloc()  # restarts once with tcmalloc preloaded, if installed (MARL_JAX_MALLOC=off: never)
+    # restarts once under tcmalloc if installed, else glibc with malloc tunables (MARL_JAX_MALLOC=off: never)
+    use_fast_allocator()
     flags.mark_flag_as_required("config")
     app.run(main)
