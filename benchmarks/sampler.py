@@ -309,7 +309,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from marl_jax.jax_setup import use_tcmalloc
+    from marl_jax.jax_setup import use_fast_allocator
 
-    use_tcmalloc()  # XLA temporaries without a page fault per 4 KiB (MARL_JAX_MALLOC=off: glibc)
+    use_fast_allocator()  # XLA temporaries without a page fault per 4 KiB (MARL_JAX_MALLOC=off: glibc)
     sys.exit(main())
