@@ -283,13 +283,14 @@ class Scheduler:
         M, N = c.table.shape[1], c.k.shape[2]
         worst = max(len(self._spans(p, plan["cached"].get(tuple(p), 0), plan["P"], M, int(n)))
                     for p, n in zip(prompts, limits))
-        if worst > N - 1:
+        usable = N - 1 - max(1, (N - 1) // 100)  # block 0 is the null block; admission keeps a 1% watermark
+        if worst > usable:
             per = self._block_bytes()
             raise ValueError(
                 f"one row needs {worst} KV blocks ({worst * per / 2**30:.3f} GiB: its prompt and up to "
-                f"{int(max(limits))} new tokens) but the KV budget holds {N - 1} "
+                f"{int(max(limits))} new tokens) but the KV budget holds {usable} "
                 f"({self.kv_budget_bytes / 2**30:.3f} GiB per device): raise --config.rollout.kv_budget_gb to at "
-                f"least {(worst + 1) * per / 2**30 * 1.01:.3f}, or lower --config.rollout.max_new_tokens or the "
+                f"least {(worst + 2) * per / 2**30 * 1.02:.3f}, or lower --config.rollout.max_new_tokens or the "
                 "prompt's length")
 
     def _compact_by_shard(self, active: np.ndarray, D: int, per_octave: int = 2):
