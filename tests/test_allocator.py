@@ -42,8 +42,10 @@ def clean_env(**kw) -> dict:
     """This environment without allocator settings of its own (a restart's marker included); the
     repository first on the path."""
     env = dict(os.environ)
+    # No compilation cache: an executable loaded from it lays its buffers out otherwise (glibc+tunables then
+    # faults half the output per call, not none), and a fault count should not depend on what ran before.
     for k in ("LD_PRELOAD", "GLIBC_TUNABLES", "_MARL_JAX_MALLOC_REEXEC", "TCMALLOC_RELEASE_RATE",
-              "MIMALLOC_PURGE_DELAY", MALLOC_ENV):
+              "MIMALLOC_PURGE_DELAY", MALLOC_ENV, "JAX_COMPILATION_CACHE_DIR", "MARL_JAX_CACHE"):
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env.update(kw)
