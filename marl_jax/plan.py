@@ -751,7 +751,7 @@ def format_plan(p: dict[str, Any]) -> str:
     f = p["smallest_fit"]
     lines += ["", "knobs that fit this slice: " + (
         f"{f['flags']} (peak {_gb(f['memory']['peak']).strip()} GiB)" if f else "nothing: use more chips"),
-        f"token budget that fits with them: " + (f"--config.grpo.max_tokens_per_micro_batch={p['token_budget']} "
+        "token budget that fits with them: " + (f"--config.grpo.max_tokens_per_micro_batch={p['token_budget']} "
                                                   f"(an update item of at most that many tokens over the mesh's rows)"
                                                   if p.get("token_budget") else "none"),
         f"fewest chips of this kind that hold it: {p['fewest_chips'] or 'more than 256'}", ""]

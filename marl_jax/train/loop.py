@@ -278,7 +278,7 @@ class Trainer:
         if stopped_on_cliff and self.c.train.restore_best_on_cliff and self.ckpt.best_step() is not None:
             best = self.ckpt.best_step()
             state, _ = self.ckpt.restore(best, template=self._ckpt_state())
-            self.state = rt.place(TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
+            self.state = self.rt.place(TrainState(state["trainable"], state["opt_state"], jnp.asarray(state["step"]),
                                              jnp.asarray(state["skipped"]), state.get("grad_ema")))
             out["restored_step"] = best
         if jax.process_index() == 0:
