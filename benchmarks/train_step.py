@@ -175,6 +175,37 @@ def step_flops(cfg, spec, body_tokens: float, ctx: float, head_tokens: float, pa
     return split if parts else sum(split.values())
 
 
+def packed_layouts(pb, mb: int, shapes):
+    """The attention layout of every live packed item, rebuilt on the host as rl.update lays it out."""
+    import numpy as np
+
+    from marl_jax.models import attention as attn
+
+    length = np.asarray(pb.length)
+    S, R = length.shape
+    out = []
+    for s in range(S):
+        for m in range(R // mb):
+            rows = range(m * mb, (m + 1) * mb)
+            if not length[s, m * mb:(m + 1) * mb].any():
+                continue
+            p, t = shapes[int(np.asarray(pb.pack_shape)[s, m * mb])]
+            seg, par = np.zeros((p, t), np.int32), np.zeros((p, t), np.int32)
+            for i, r in enumerate(rows):
+                n, j, off = int(length[s, r]), int(pb.pack_seq[s, r]), int(pb.pack_off[s, r])
+                c = int(pb.pack_share[s, r]) if pb.pack_share is not None else 0
+                if not n:
+                    continue
+                seg[j, off + c:off + n] = i + 1
+                if c:  # its first c tokens are its unit's one prefix copy, seen as the parent
+                    pre = int(pb.pack_pre[s, r])
+                    seg[j, pre:pre + c] = mb + 1 + pre
+                    par[j, off + c:off + n] = mb + 1 + pre
+            lay = attn.shared_prefix(seg, par) if pb.pack_share is not None else attn.packed(seg)
+            out.append(lay)
+    return out
+
+
 def computed_positions(rows, mb: int, window) -> tuple[int, int]:
     """(body positions, attention query-key pairs) of micro-batches of `mb` rows in order, each over
     window(longest row of the micro-batch) positions."""
@@ -296,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     from marl_jax.rl.batch import make_batch, make_groups
     from marl_jax.rl.layout import item_windows, length_ladder, pack_batch, pack_shapes, plan_items
     from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
+    from marl_jax.models import attention as attn
+    from marl_jax.models.attention import scored_pairs
 
     t_start = time.perf_counter()
     print(f"load average at start (1/5/15 min, {os.cpu_count()} cores): "
@@ -350,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     win = item_windows(batch.length, args.micro_batch, T, args.length_buckets, args.length_grid)
     mbr = min(args.micro_batch, R)
     jax_pos = int(win.sum()) * mbr
-    jax_pairs = int((win.astype(np.int64) ** 2).sum()) * mbr
+    jax_pairs = sum(scored_pairs(attn.causal(np.ones((mbr, int(t)), bool))) for t in win.ravel() if t)
     jax_head = int((win > 0).sum()) * mbr * W
     packing_note = ""
     if args.packing:  # each item over (packed sequences x window) instead of (rows x window)
@@ -358,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         shp = pack_shapes(T, mbr, args.length_buckets, share=args.share_prefix > 0, grid=args.length_grid)
         items = [shp[k] for k, live in zip(np.asarray(pb.pack_shape)[:, ::mbr].ravel(), (win > 0).ravel()) if live]
         jax_pos = sum(p * t for p, t in items)
-        jax_pairs = sum(p * t * t for p, t in items)
+        jax_pairs = sum(scored_pairs(lay) for lay in packed_layouts(pb, mbr, shp))
         packing_note = f"; packed (sequences x window) per micro-batch {items}"
     if args.max_tokens_per_micro_batch:  # the token budget's items replace the fixed micro-batches
         plan = plan_items(batch, micro_batch=args.micro_batch, length_buckets=args.length_buckets,
@@ -430,7 +463,8 @@ def main(argv: list[str] | None = None) -> None:
             utimes.append(unpacked()[1])
     jmed, tmed = statistics.median(jtimes), statistics.median(ttimes)
 
-    # executed: marl_jax's windows (full t x t attention scores per item); useful: real tokens, causal context
+    # executed: marl_jax's windows (attention: the scores its kernel computes per item); useful: real tokens,
+    # causal context
     exe_parts = step_flops(cfg, spec, jax_pos, jax_pairs / max(jax_pos, 1), jax_head, parts=True)
     ctx_real = sum((len(r.prompt_tokens) + len(r.completion_tokens)) ** 2 / 2 for r in rows) / total
     use_parts = step_flops(cfg, spec, total, ctx_real, comp, parts=True)
@@ -460,7 +494,8 @@ def main(argv: list[str] | None = None) -> None:
     print("FLOP rule: matmuls only. Forward = base linears + attention (q.k, p.v) + LoRA (xA, (xA)B) at every "
           "position + LM head at scored positions. Backward = 1x base linears and 1x LM head (frozen weights: "
           "activation gradients only) + 2x attention + 2x LoRA (activation and A/B gradients). 'executed' counts "
-          "marl_jax's token windows (full t x t scores per micro-batch, head on the W window); 'useful' counts "
+          "marl_jax's token windows (attention: the scores its kernel computes, every t x t pair for dense, the "
+          "visited blocks for blockwise; head on the W window); 'useful' counts "
           "real tokens with causal context and the head on completion tokens only")
     rel = abs(jlosses[0] - tlosses[0]) / max(abs(tlosses[0]), 1e-12)
     print(f"first-step loss: marl_jax {jlosses[0]:.7f}, pytorch {tlosses[0]:.7f} (relative difference {rel:.1e}); "

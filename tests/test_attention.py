@@ -106,6 +106,9 @@ def test_blocks_skipped_by_causality_and_segments():
     # a cache chunk at slots 64..95 over 256 cache slots: only KV blocks 0..2 hold visible keys
     lay = A.cached(jnp.arange(64, 96)[None], jnp.ones((1, 256), bool))
     assert np.flatnonzero(np.asarray(A._needed(lay, 32, 32, 1, 8)[0])).tolist() == [0, 1, 2]
+    # the pairs a benchmark counts: every pair for dense, the visited blocks' pairs for blockwise
+    assert A.scored_pairs(A.packed(seg), "blockwise", block_q=32, block_kv=32) == 12 * 32 * 32
+    assert A.scored_pairs(A.packed(seg), "dense") == 256 * 256
 
 
 @pytest.mark.parametrize("layout_name", ["causal_padded", "packed"])

@@ -53,11 +53,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
 IMPLS = ("auto", "dense", "blockwise", "splash", "cudnn")
 # Blockwise tile: on CPU (forward + backward, 9 / 3 heads of 64) 128 beats 256 and 512 by 1.2-3.5x, at
 # 1024 packed tokens (more blocks of other segments skipped) and at 4096 causal tokens alike.
 BLOCK = 128
+# blockwise residuals a remat policy may save by name (output, log-sum-exp)
+SAVED_NAMES = ("attention_out", "attention_lse")
 _NEG = -1e30  # masked score: finite, so fully masked rows stay NaN-free
 log = logging.getLogger(__name__)
 
@@ -194,127 +197,124 @@ def _needed(layout: Layout, bq: int, bk: int, nq: int, nk: int):
     return ((first_key[None, None, :] <= last[:, :, None]) & overlap).any(0)
 
 
-def _block_mask(layout_blocks, i, j, bk):
-    """[B, bq, bk] mask of q block i against KV block j."""
-    qpos, qseg, qpar, kseg = layout_blocks
-    kp = j * bk + jnp.arange(bk)
-    ks = jax.lax.dynamic_index_in_dim(kseg, j, 1, keepdims=False)  # [B, bk]
-    qp, qs = qpos[:, i], qseg[:, i]  # [B, bq]
-    m = (kp[None, None, :] <= qp[:, :, None]) & (ks[:, None, :] > 0)
-    same = ks[:, None, :] == qs[:, :, None]
-    if qpar is not None:
-        same = same | (ks[:, None, :] == qpar[:, i][:, :, None])
-    return m & same
+def _visits(needed):
+    """Per q block, the KV blocks to visit: ([nq, nk] their indices, needed ones first; [nq] how many).
+    A loop over this list needs no branch (a cond per block makes XLA:CPU copy the backward's dk / dv
+    carry at every block)."""
+    order = jnp.argsort(~needed, axis=1, stable=True).astype(jnp.int32)
+    return order, needed.sum(1).astype(jnp.int32)
 
 
 def _blocks(q, k, v, layout: Layout, bq: int, bk: int):
-    """Pad to whole blocks and split: q [B, nq, bq, Hkv, g, hd], k / v [B, nk, bk, Hkv, hd]."""
+    """Pad to whole blocks and split, head-major so that every per-block product is a plain batched matmul
+    (no transpose inside the loop): q [nq, B, Hkv, g * bq, hd], k / v [nk, B, Hkv, bk, hd], the layout
+    [nq, B, bq] / [nk, B, bk]."""
     B, S, Hq, hd = q.shape
     T, Hkv = k.shape[1], k.shape[2]
+    g = Hq // Hkv
     nq, nk = -(-S // bq), -(-T // bk)
-    qb = _pad_to(q, 1, nq * bq).reshape(B, nq, bq, Hkv, Hq // Hkv, hd)
-    kb = _pad_to(k, 1, nk * bk).reshape(B, nk, bk, Hkv, hd)
-    vb = _pad_to(v, 1, nk * bk).reshape(B, nk, bk, Hkv, hd)
-    lb = (_pad_to(layout.q_pos, 1, nq * bq, -1).reshape(B, nq, bq),
-          _pad_to(layout.q_seg, 1, nq * bq).reshape(B, nq, bq),
-          None if layout.q_parent is None else _pad_to(layout.q_parent, 1, nq * bq).reshape(B, nq, bq),
-          _pad_to(layout.kv_seg, 1, nk * bk).reshape(B, nk, bk))
-    return qb, kb, vb, lb, nq, nk
+    qb = (_pad_to(q, 1, nq * bq).reshape(B, nq, bq, Hkv, g, hd).transpose(1, 0, 3, 4, 2, 5)
+          .reshape(nq, B, Hkv, g * bq, hd))
+    kb = _pad_to(k, 1, nk * bk).reshape(B, nk, bk, Hkv, hd).transpose(1, 0, 3, 2, 4)
+    vb = _pad_to(v, 1, nk * bk).reshape(B, nk, bk, Hkv, hd).transpose(1, 0, 3, 2, 4)
+    qpos = _pad_to(layout.q_pos, 1, nq * bq, -1).reshape(B, nq, bq).transpose(1, 0, 2)
+    qseg = _pad_to(layout.q_seg, 1, nq * bq).reshape(B, nq, bq).transpose(1, 0, 2)
+    qpar = None if layout.q_parent is None else _pad_to(layout.q_parent, 1, nq * bq).reshape(B, nq, bq).transpose(1, 0, 2)
+    kseg = _pad_to(layout.kv_seg, 1, nk * bk).reshape(B, nk, bk).transpose(1, 0, 2)
+    return qb, kb, vb, (qpos, qseg, qpar, kseg), nq, nk, g
 
 
-def _kv_range(needed):
-    """Per q block, the KV blocks [lo, hi) to visit (needed ones in between are tested one by one)."""
-    nk = needed.shape[1]
-    idx = jnp.arange(nk)
-    lo = jnp.where(needed, idx, nk).min(1)
-    hi = jnp.where(needed, idx + 1, 0).max(1)
-    return lo, jnp.maximum(hi, lo)
+def _bias(lb, i, j, bk: int, dt):
+    """[B, 1, 1, bq, bk] additive mask of q block i against KV block j: 0 where visible, _NEG elsewhere
+    (one add per score instead of two selects; a query that has seen no key keeps m near _NEG)."""
+    qpos, qseg, qpar, kseg = lb
+    kp = j * bk + jnp.arange(bk)
+    ks = kseg[j]
+    qp, qs = qpos[i], qseg[i]
+    m = (kp[None, None, :] <= qp[:, :, None]) & (ks[:, None, :] > 0)
+    same = ks[:, None, :] == qs[:, :, None]
+    if qpar is not None:
+        same = same | (ks[:, None, :] == qpar[i][:, :, None])
+    return jnp.where(m & same, 0.0, _NEG).astype(dt)[:, None, None]
 
 
 def _fwd(q, k, v, layout: Layout, bq: int, bk: int):
     B, S, Hq, hd = q.shape
-    qb, kb, vb, lb, nq, nk = _blocks(q, k, v, layout, bq, bk)
-    Hkv, g = qb.shape[3], qb.shape[4]
     acc_t = _acc(q.dtype)
     scale = 1.0 / math.sqrt(hd)
+    qb, kb, vb, lb, nq, nk, g = _blocks(q, k, v, layout, bq, bk)
+    Hkv = kb.shape[2]
     needed = _needed(layout, bq, bk, nq, nk)
-    lo, hi = _kv_range(needed)
+    order, count = _visits(needed)
 
     def q_block(i):
-        qi = qb[:, i]  # [B, bq, Hkv, g, hd]
+        qi = qb[i]
 
-        def visit(j, carry):
+        def visit(n, carry):
             m, l, acc = carry
-            kj, vj = kb[:, j], vb[:, j]
-            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=acc_t) * scale
-            mask = _block_mask(lb, i, j, bk)[:, None, None]  # [B, 1, 1, bq, bk]
-            m_new = jnp.maximum(m, jnp.where(mask, s, _NEG).max(-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            j = order[i, n]
+            s = jnp.einsum("bhqd,bhtd->bhqt", qi, kb[j], preferred_element_type=acc_t).reshape(B, Hkv, g, bq, bk)
+            s = s * scale + _bias(lb, i, j, bk, acc_t)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
             l = l * alpha + p.sum(-1)
-            pv = jnp.einsum("bkgqt,btkd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=acc_t)
-            return m_new, l, acc * alpha[..., None] + pv
-
-        def body(j, carry):
-            return jax.lax.cond(needed[i, j], visit, lambda j, c: c, j, carry)
+            pv = jnp.einsum("bhqt,bhtd->bhqd", p.reshape(B, Hkv, g * bq, bk).astype(v.dtype), vb[j],
+                            preferred_element_type=acc_t)
+            return m_new, l, acc * alpha.reshape(B, Hkv, g * bq, 1) + pv
 
         init = (jnp.full((B, Hkv, g, bq), _NEG, acc_t), jnp.zeros((B, Hkv, g, bq), acc_t),
-                jnp.zeros((B, Hkv, g, bq, hd), acc_t))
-        m, l, acc = jax.lax.fori_loop(lo[i], hi[i], body, init)
-        safe = jnp.where(l > 0, l, 1.0)
-        out = acc / safe[..., None]
-        lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # inf: p = exp(s - inf) = 0 in the backward
+                jnp.zeros((B, Hkv, g * bq, hd), acc_t))
+        m, l, acc = jax.lax.fori_loop(0, count[i], visit, init)
+        seen = m > 0.5 * _NEG  # has seen a key (m of a query that has seen none stays at _NEG)
+        safe = jnp.where(seen, l, 1.0)
+        out = acc / safe.reshape(B, Hkv, g * bq, 1)
+        lse = jnp.where(seen, m + jnp.log(safe), jnp.inf)  # inf: p = exp(s - inf) = 0 in the backward
         return out, lse
-
-    out, lse = jax.lax.map(q_block, jnp.arange(nq))  # [nq, B, Hkv, g, bq, hd], [nq, B, Hkv, g, bq]
-    o = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * bq, Hq, hd)[:, :S].astype(q.dtype)
+    out, lse = jax.lax.map(q_block, jnp.arange(nq))  # [nq, B, Hkv, g * bq, hd], [nq, B, Hkv, g, bq]
+    o = (out.reshape(nq, B, Hkv, g, bq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * bq, Hq, hd)[:, :S]
+         .astype(q.dtype))
     return o, lse
 
 
 def _bwd(q, k, v, layout: Layout, o, lse, do, bq: int, bk: int):
     B, S, Hq, hd = q.shape
     T = k.shape[1]
-    qb, kb, vb, lb, nq, nk = _blocks(q, k, v, layout, bq, bk)
-    Hkv, g = qb.shape[3], qb.shape[4]
     acc_t = _acc(q.dtype)
     scale = 1.0 / math.sqrt(hd)
+    qb, kb, vb, lb, nq, nk, g = _blocks(q, k, v, layout, bq, bk)
+    Hkv = kb.shape[2]
+    dob = _blocks(do, k, v, layout, bq, bk)[0]
     needed = _needed(layout, bq, bk, nq, nk)
-    lo, hi = _kv_range(needed)
-    dob = _pad_to(do, 1, nq * bq).reshape(B, nq, bq, Hkv, g, hd)
-    # D = rowsum(dO * O), [B, nq, Hkv, g, bq]
-    dsum = (_pad_to(do.astype(acc_t) * o.astype(acc_t), 1, nq * bq).sum(-1)
-            .reshape(B, nq, bq, Hkv, g).transpose(0, 1, 3, 4, 2))
+    order, count = _visits(needed)
+    dsum = (do.astype(acc_t) * o.astype(acc_t)).sum(-1)  # [B, S, Hq]
+    dsum = _pad_to(dsum, 1, nq * bq).reshape(B, nq, bq, Hkv, g).transpose(1, 0, 3, 4, 2)  # [nq, B, Hkv, g, bq]
 
     def q_block(carry, i):
         dk, dv = carry
-        qi, doi, lsei, di = qb[:, i], dob[:, i], lse[i], dsum[:, i]
+        qi, doi, lsei, di = qb[i], dob[i], lse[i], dsum[i]
 
-        def visit(j, c):
+        def visit(n, c):
             dq, dk, dv = c
-            kj, vj = kb[:, j], vb[:, j]
-            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=acc_t) * scale
-            mask = _block_mask(lb, i, j, bk)[:, None, None]
-            p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)  # [B, Hkv, g, bq, bk]
-            dvj = jnp.einsum("bkgqt,bqkgd->btkd", p.astype(do.dtype), doi, preferred_element_type=acc_t)
-            dp = jnp.einsum("bqkgd,btkd->bkgqt", doi, vj, preferred_element_type=acc_t)
-            ds = p * (dp - di[..., None]) * scale
-            dq = dq + jnp.einsum("bkgqt,btkd->bqkgd", ds.astype(q.dtype), kj, preferred_element_type=acc_t)
-            dkj = jnp.einsum("bkgqt,bqkgd->btkd", ds.astype(q.dtype), qi, preferred_element_type=acc_t)
-            add = lambda buf, x: jax.lax.dynamic_update_index_in_dim(
-                buf, jax.lax.dynamic_index_in_dim(buf, j, 1, keepdims=False) + x, j, 1)
-            return dq, add(dk, dkj), add(dv, dvj)
+            j = order[i, n]
+            kj, vj = kb[j], vb[j]
+            s = jnp.einsum("bhqd,bhtd->bhqt", qi, kj, preferred_element_type=acc_t).reshape(B, Hkv, g, bq, bk)
+            p = jnp.exp(s * scale + _bias(lb, i, j, bk, acc_t) - lsei[..., None])
+            p2 = p.reshape(B, Hkv, g * bq, bk)
+            dvj = jnp.einsum("bhqt,bhqd->bhtd", p2.astype(do.dtype), doi, preferred_element_type=acc_t)
+            dp = jnp.einsum("bhqd,bhtd->bhqt", doi, vj, preferred_element_type=acc_t).reshape(B, Hkv, g, bq, bk)
+            ds = (p * (dp - di[..., None]) * scale).reshape(B, Hkv, g * bq, bk)
+            dq = dq + jnp.einsum("bhqt,bhtd->bhqd", ds.astype(q.dtype), kj, preferred_element_type=acc_t)
+            dkj = jnp.einsum("bhqt,bhqd->bhtd", ds.astype(q.dtype), qi, preferred_element_type=acc_t)
+            return dq, dk.at[j].add(dkj), dv.at[j].add(dvj)
 
-        def body(j, c):
-            return jax.lax.cond(needed[i, j], visit, lambda j, c: c, j, c)
-
-        dq, dk, dv = jax.lax.fori_loop(lo[i], hi[i], body, (jnp.zeros(qi.shape, acc_t), dk, dv))
+        dq, dk, dv = jax.lax.fori_loop(0, count[i], visit, (jnp.zeros(qi.shape, acc_t), dk, dv))
         return (dk, dv), dq
-
-    zeros = jnp.zeros((B, nk, bk, Hkv, hd), acc_t)
+    zeros = jnp.zeros((nk, B, Hkv, bk, hd), acc_t)
     (dk, dv), dq = jax.lax.scan(q_block, (zeros, zeros), jnp.arange(nq))
-    dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(B, nq * bq, Hq, hd)[:, :S]
-    dk = dk.reshape(B, nk * bk, Hkv, hd)[:, :T]
-    dv = dv.reshape(B, nk * bk, Hkv, hd)[:, :T]
+    dq = dq.reshape(nq, B, Hkv, g, bq, hd).transpose(1, 0, 4, 2, 3, 5).reshape(B, nq * bq, Hq, hd)[:, :S]
+    dk = dk.transpose(1, 0, 3, 2, 4).reshape(B, nk * bk, Hkv, hd)[:, :T]
+    dv = dv.transpose(1, 0, 3, 2, 4).reshape(B, nk * bk, Hkv, hd)[:, :T]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -325,6 +325,9 @@ def _flash(q, k, v, layout, bq, bk):
 
 def _flash_fwd(q, k, v, layout, bq, bk):
     o, lse = _fwd(q, k, v, layout, bq, bk)
+    # Named so that a remat policy can keep them (the decoder's "dots" does): O(T) each, and without them
+    # the backward pass reruns the whole forward loop.
+    o, lse = checkpoint_name(o, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
     return o, (q, k, v, layout, o, lse)
 
 
@@ -539,6 +542,20 @@ def choose(impl: str, S: int, T: int, backend: str | None = None, layout: Layout
     if backend in ("gpu", "cuda", "rocm") and (layout is None or _cudnn_can(layout, dtype)):
         return "cudnn"
     return "blockwise"
+
+
+def scored_pairs(layout: Layout, impl: str = "auto", *, backend: str | None = None,
+                 block_q: int = BLOCK, block_kv: int = BLOCK) -> int:
+    """Query-key pairs whose scores `attention` computes for this layout (benchmarks' FLOP counts): every
+    pair for dense, the visited blocks' pairs for blockwise (the same per row of a batch: a block any row
+    needs is computed for all). Kernels on other backends are counted as blockwise."""
+    B, S = layout.q_pos.shape
+    T = layout.kv_seg.shape[1]
+    if choose(impl, S, T, backend=backend, layout=layout, dtype=jnp.float32) == "dense":
+        return B * S * T
+    bq, bk = min(block_q, S), min(block_kv, T)
+    needed = _needed(layout, bq, bk, -(-S // bq), -(-T // bk))
+    return int(np.asarray(needed).sum()) * B * bq * bk
 
 
 def attention(q, k, v, layout: Layout, impl: str = "auto", *, kv_layout: str = "bthd", mesh=None,

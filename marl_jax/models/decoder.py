@@ -311,7 +311,11 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 REMAT = ("none", "dots", "full")
-_REMAT_POLICY = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+# "dots" also keeps blockwise attention's output and log-sum-exp (linear in T): recomputing them would rerun
+# the whole forward loop inside the backward.
+_REMAT_POLICY = {"dots": jax.checkpoint_policies.save_from_both_policies(
+                     jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                     jax.checkpoint_policies.save_only_these_names(*attn.SAVED_NAMES)),
                  "full": jax.checkpoint_policies.nothing_saveable}
 
 
@@ -433,8 +437,9 @@ class Decoder(_Sharded):
     cached(...)              prefill / decode against a KVCache (see forward_cached).
 
     remat (what a backward pass keeps per layer): "none" keeps every activation (its [B, H, T, T]
-    attention probabilities dominate memory); "dots" keeps the weight matmuls' outputs and recomputes
-    the attention; "full" keeps only the layer's input and recomputes the layer.
+    attention probabilities dominate memory); "dots" keeps the weight matmuls' outputs and blockwise
+    attention's output and log-sum-exp, and recomputes dense attention; "full" keeps only the layer's
+    input and recomputes the layer.
 
     unroll: the teacher-forced pass runs its layers as straight-line code instead of a loop. A loop's
     backward pass keeps each layer's activations in stacked [layers, ...] buffers, copied in and out per
