@@ -199,8 +199,7 @@ def _needed(layout: Layout, bq: int, bk: int, nq: int, nk: int):
 
 def _visits(needed):
     """Per q block, the KV blocks to visit: ([nq, nk] their indices, needed ones first; [nq] how many).
-    A loop over this list needs no branch (a cond per block makes XLA:CPU copy the backward's dk / dv
-    carry at every block)."""
+    A loop over this list runs no branch per block and steps over nothing between needed blocks."""
     order = jnp.argsort(~needed, axis=1, stable=True).astype(jnp.int32)
     return order, needed.sum(1).astype(jnp.int32)
 
