@@ -176,33 +176,28 @@ def step_flops(cfg, spec, body_tokens: float, ctx: float, head_tokens: float, pa
 
 
 def packed_layouts(pb, mb: int, shapes):
-    """The attention layout of every live packed item, rebuilt on the host as rl.update lays it out."""
+    """The attention layout of every live packed item, laid out by the update's own rl.update.pack_item."""
     import numpy as np
 
     from marl_jax.models import attention as attn
+    from marl_jax.rl.update import pack_item
 
     length = np.asarray(pb.length)
     S, R = length.shape
+    T = pb.tokens.shape[2]
     out = []
     for s in range(S):
         for m in range(R // mb):
-            rows = range(m * mb, (m + 1) * mb)
-            if not length[s, m * mb:(m + 1) * mb].any():
+            rows = slice(m * mb, (m + 1) * mb)
+            if not length[s, rows].any():
                 continue
+            r = {"tokens": np.asarray(pb.tokens)[s, rows], "length": length[s, rows],
+                 "pack_seq": np.asarray(pb.pack_seq)[s, rows], "pack_off": np.asarray(pb.pack_off)[s, rows]}
+            if pb.pack_share is not None:
+                r.update(pack_pre=np.asarray(pb.pack_pre)[s, rows], pack_share=np.asarray(pb.pack_share)[s, rows])
             p, t = shapes[int(np.asarray(pb.pack_shape)[s, m * mb])]
-            seg, par = np.zeros((p, t), np.int32), np.zeros((p, t), np.int32)
-            for i, r in enumerate(rows):
-                n, j, off = int(length[s, r]), int(pb.pack_seq[s, r]), int(pb.pack_off[s, r])
-                c = int(pb.pack_share[s, r]) if pb.pack_share is not None else 0
-                if not n:
-                    continue
-                seg[j, off + c:off + n] = i + 1
-                if c:  # its first c tokens are its unit's one prefix copy, seen as the parent
-                    pre = int(pb.pack_pre[s, r])
-                    seg[j, pre:pre + c] = mb + 1 + pre
-                    par[j, off + c:off + n] = mb + 1 + pre
-            lay = attn.shared_prefix(seg, par) if pb.pack_share is not None else attn.packed(seg)
-            out.append(lay)
+            _, seg = pack_item(r, p, t, T)
+            out.append(attn.shared_prefix(seg[0], seg[1]) if isinstance(seg, tuple) else attn.packed(seg))
     return out
 
 
@@ -328,7 +323,6 @@ def main(argv: list[str] | None = None) -> None:
     from marl_jax.rl.layout import item_windows, length_ladder, pack_batch, pack_shapes, plan_items
     from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
     from marl_jax.models import attention as attn
-    from marl_jax.models.attention import scored_pairs
 
     t_start = time.perf_counter()
     print(f"load average at start (1/5/15 min, {os.cpu_count()} cores): "
@@ -383,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     win = item_windows(batch.length, args.micro_batch, T, args.length_buckets, args.length_grid)
     mbr = min(args.micro_batch, R)
     jax_pos = int(win.sum()) * mbr
-    jax_pairs = sum(scored_pairs(attn.causal(np.ones((mbr, int(t)), bool))) for t in win.ravel() if t)
+    jax_pairs = sum(attn.scored_pairs(attn.causal(np.ones((mbr, int(t)), bool))) for t in win.ravel() if t)
     jax_head = int((win > 0).sum()) * mbr * W
     packing_note = ""
     if args.packing:  # each item over (packed sequences x window) instead of (rows x window)
@@ -391,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         shp = pack_shapes(T, mbr, args.length_buckets, share=args.share_prefix > 0, grid=args.length_grid)
         items = [shp[k] for k, live in zip(np.asarray(pb.pack_shape)[:, ::mbr].ravel(), (win > 0).ravel()) if live]
         jax_pos = sum(p * t for p, t in items)
-        jax_pairs = sum(scored_pairs(lay) for lay in packed_layouts(pb, mbr, shp))
+        jax_pairs = sum(attn.scored_pairs(lay) for lay in packed_layouts(pb, mbr, shp))
         packing_note = f"; packed (sequences x window) per micro-batch {items}"
     if args.max_tokens_per_micro_batch:  # the token budget's items replace the fixed micro-batches
         plan = plan_items(batch, micro_batch=args.micro_batch, length_buckets=args.length_buckets,

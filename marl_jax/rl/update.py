@@ -153,6 +153,32 @@ class TrainState(NamedTuple):
     grad_ema: Any = None  # [K, ...] EMA of each role's past gradient (levers.damping; None when off)
 
 
+def pack_item(r, p: int, t: int, T: int):
+    """An item's rows laid into p packed sequences of t tokens: (put, segments), put(x) scatters a [rows, <=T]
+    array of the rows into [p, t]; segments is what decoder.forward takes (ids, or (ids, parents, positions)
+    over shared prefixes). r: the item's rows (tokens, length, pack_seq, pack_off, and pack_pre / pack_share)."""
+    n, tw = r["tokens"].shape[0], min(t, T)  # a row is at most T long; a packed sequence may be longer
+    q = jnp.arange(tw)[None]
+    live = q < r["length"][:, None]  # [mb, tw]
+    dst_seq = jnp.where(live, r["pack_seq"][:, None], p)  # padding goes out of bounds: dropped
+    dst_pos = r["pack_off"][:, None] + q
+    seg = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], (n, tw))
+    segments = None
+    if "pack_share" in r:
+        # A row's first c tokens go to its unit's one prefix copy (every member writes the same
+        # values there), segment id n + 1 + its offset; the rest attend to it as their parent.
+        c, pre = r["pack_share"][:, None], r["pack_pre"][:, None]
+        in_pre = q < c
+        dst_pos = jnp.where(in_pre, pre + q, dst_pos)
+        prefix_id = jnp.broadcast_to(n + 1 + pre, (n, tw))
+    put = lambda x: jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(x, mode="drop")
+    if "pack_share" in r:
+        segments = (put(jnp.where(in_pre, prefix_id, seg)),
+                    put(jnp.where(in_pre | (c == 0), 0, prefix_id)),
+                    put(jnp.broadcast_to(q, (n, tw))))
+    return put, segments or put(seg)
+
+
 def _tree_dot(a, b):
     return sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32)).real
                for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
@@ -341,26 +367,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         inner = terms_over(t, T, W, mb)
 
         def run(mine, base, r, cot):
-            n, tw = r["tokens"].shape[0], min(t, T)  # a row is at most T long; a packed sequence may be longer
-            q = jnp.arange(tw)[None]
-            live = q < r["length"][:, None]  # [mb, tw]
-            dst_seq = jnp.where(live, r["pack_seq"][:, None], p)  # padding goes out of bounds: dropped
-            dst_pos = r["pack_off"][:, None] + q
-            seg = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], (n, tw))
-            segments = None
-            if "pack_share" in r:
-                # A row's first c tokens go to its unit's one prefix copy (every member writes the same
-                # values there), segment id n + 1 + its offset; the rest attend to it as their parent.
-                c, pre = r["pack_share"][:, None], r["pack_pre"][:, None]
-                in_pre = q < c
-                dst_pos = jnp.where(in_pre, pre + q, dst_pos)
-                prefix_id = jnp.broadcast_to(n + 1 + pre, (n, tw))
-            put = lambda x: jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(x, mode="drop")
-            if "pack_share" in r:
-                segments = (put(jnp.where(in_pre, prefix_id, seg)),
-                            put(jnp.where(in_pre | (c == 0), 0, prefix_id)),
-                            put(jnp.broadcast_to(q, (n, tw))))
-            rp = dict(r, pack_tokens=put(r["tokens"][:, :tw]), pack_segments=segments or put(seg))
+            put, segments = pack_item(r, p, t, T)
+            rp = dict(r, pack_tokens=put(r["tokens"][:, :min(t, T)]), pack_segments=segments)
             return inner(mine, base, rp, cot)
         return run
 
