@@ -13,6 +13,12 @@ Prints JSON lines (and appends them to --out):
       step time and MFU = (forward + input-gradient FLOPs: all a LoRA step must compute, the frozen
       weights get no gradients; recomputation not counted) / time / measured bf16 peak; `mfu_6n`
       uses the usual 6 x params x tokens instead;
+  {"bench": "attention", "check": ...}: each attention implementation of the backend (dense, blockwise,
+      and cuDNN on GPU / splash on TPU) in bfloat16 against dense attention in float32, outputs and
+      gradients, on right-padded causal rows with GQA (Qwen3-0.6B's 16 / 8 heads of 128), beside dense
+      bfloat16's own error as the yardstick;
+  {"bench": "attention", "tokens": T, ...}: forward + backward of one row of T tokens per implementation:
+      seconds, useful TFLOP/s (the causal half of the scores) and XLA's temporaries for the gradient;
   {"bench": "e2e", ...}: one orch_workers training step (marl_jax.train.loop.Trainer.train_step)
       on random weights and a small JSONL task file, split into sampler / reward / update seconds.
 Each timing follows a warm-up call (compilation excluded, reported separately as *_first_s).
@@ -51,8 +57,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU test")
     p.add_argument("--out", default="", help="also append the JSON lines to this file")
-    p.add_argument("--parts", default="decode,update,e2e", help="comma-separated subset of decode,update,e2e")
+    p.add_argument("--parts", default="attention,decode,update,e2e",
+                   help="comma-separated subset of attention,decode,update,e2e")
+    p.add_argument("--attention_lengths", default="4096,16384,32768",
+                   help="row lengths of the attention timings (dense only up to 16384, blockwise up to 16384)")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--decode_batches", default="", help="decode batch sizes (default 64,256; 8,16 with --small)")
+    p.add_argument("--e2e_steps", type=int, default=2, help="training steps of the end-to-end part (the first compiles)")
     return p.parse_args(argv)
 
 
@@ -235,6 +246,68 @@ def bench_update(cfg, base, rows_per_role, prompt_len, completion_len, rank, mic
     return out
 
 
+def bench_attention(small: bool, lengths, reps: int):
+    """The backend's attention kernels against dense float32: errors, then speed and memory by length."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from marl_jax.models import attention as A
+    kernel = {"gpu": "cudnn", "tpu": "splash"}.get(jax.default_backend())
+    impls = ["dense", "blockwise"] + ([kernel] if kernel else [])
+    Hq, Hkv, hd = (4, 2, 16) if small else (16, 8, 128)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+
+    def qkv(B, T, seed):
+        ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+        return (jax.random.normal(ks[0], (B, T, Hq, hd), f32), jax.random.normal(ks[1], (B, T, Hkv, hd), f32),
+                jax.random.normal(ks[2], (B, T, Hkv, hd), f32))
+
+    def grad_fn(impl):  # the layout and weights are arguments: closed over, they would be baked in as constants
+        def loss(q, k, v, lay, w):
+            return (A.attention(q, k, v, lay, impl).astype(f32) * w).sum()
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    recs = []
+    # Errors: two rows (full and 70% valid), weights zero on padding (its outputs are unspecified).
+    B, T = 2, (256 if small else 2048)
+    q, k, v = qkv(B, T, 0)
+    lengths_ = jnp.asarray([T, int(T * 0.7)])
+    valid = jnp.arange(T)[None] < lengths_[:, None]
+    lay = A.causal(valid, right_padded=True)
+    w = jax.random.normal(jax.random.PRNGKey(9), (B, T, Hq * hd), f32) * valid[..., None]
+    ref_out = A.attention(q, k, v, lay, "dense") * valid[..., None]
+    _, ref_g = grad_fn("dense")(q, k, v, lay, w)
+    for impl in impls:
+        qb, kb, vb = (x.astype(bf16) for x in (q, k, v))
+        out = A.attention(qb, kb, vb, lay, impl).astype(f32) * valid[..., None]
+        _, g = grad_fn(impl)(qb, kb, vb, lay, w)
+
+        def rel(a, b):
+            return float(jnp.max(jnp.abs(a.astype(f32) - b)) / jnp.max(jnp.abs(b)))
+        recs.append({"bench": "attention", "check": impl, "dtype": "bfloat16", "reference": "dense float32",
+                     "tokens": T, "rows": B, "heads": [Hq, Hkv, hd], "out_rel_err": rel(out, ref_out),
+                     **{f"d{n}_rel_err": rel(a, b) for n, a, b in zip("qkv", g, ref_g)}})
+    # Speed and memory: one full causal row per length.
+    for T in lengths:
+        q, k, v = (x.astype(bf16) for x in qkv(1, T, 1))
+        lay = A.causal(jnp.ones((1, T), bool), right_padded=True)
+        w = jnp.ones((1, T, Hq * hd), f32)
+        useful = 3.5 * 4 * Hq * hd * T * (T + 1) / 2  # forward: 2 matmuls over the causal half; backward 2.5x
+        for impl in impls:
+            if impl in ("dense", "blockwise") and T > 16384:
+                continue
+            t0 = time.perf_counter()
+            compiled = grad_fn(impl).lower(q, k, v, lay, w).compile()
+            compile_s = time.perf_counter() - t0
+            mem = compiled.memory_analysis()
+            first, best, _ = timed(lambda: compiled(q, k, v, lay, w), reps)
+            recs.append({"bench": "attention", "tokens": T, "impl": impl, "heads": [Hq, Hkv, hd], "dtype": "bfloat16",
+                         "fwd_bwd_s": best, "useful_tflops_per_s": useful / best / 1e12, "compile_s": compile_s,
+                         "temp_gib": (mem.temp_size_in_bytes / 2 ** 30) if mem is not None else None})
+    return recs
+
+
 def bench_e2e(cfg, params, small: bool, reps: int):
     try:
         import ml_collections  # noqa: F401  (the config schema)
@@ -270,17 +343,25 @@ def bench_e2e(cfg, params, small: bool, reps: int):
     c.grpo.update(remat="full", micro_batch=8, entropy_coef=1e-4)
     c.train.update(steps=1, tensorboard=False, plots=False)
     trainer = Trainer(c, workdir, model=LoadedModel(cfg, params, tok, "random-qwen3-0.6b-shapes"), progress=False)
+    compiled = [0.0]  # XLA compile seconds, from jax's own compile events
+
+    def on_event(name, secs, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiled[0] += secs
+    jax.monitoring.register_event_duration_secs_listener(on_event)
     recs = []
     for step in range(1 + reps):
-        t = time.perf_counter()
+        t, c0 = time.perf_counter(), compiled[0]
         rec = trainer.train_step(step)
         rec["wall_s"] = time.perf_counter() - t
+        rec["compile_s"] = compiled[0] - c0
         recs.append(rec)
     best = min(recs[1:], key=lambda r: r["step_s"]) if len(recs) > 1 else recs[0]
-    keys = ("step_s", "sampler_s", "glue_s", "reward_s", "update_s", "tokens_per_s")
+    keys = ("step_s", "sampler_s", "glue_s", "reward_s", "update_s", "tokens_per_s", "compile_s")
     return {"bench": "e2e", "workflow": "orch_workers", "tasks": c.num_tasks, "episodes": c.rollout.group_size,
             "max_new_tokens": int(next(iter(c.rollout.max_new_tokens.values()))), "lora_rank": c.trainable.rank,
-            **{k: best.get(k) for k in keys}, "first_step_s": recs[0]["step_s"]}
+            **{k: best.get(k) for k in keys}, "first_step_s": recs[0]["step_s"],
+            "steps_s": [r["step_s"] for r in recs], "steps_compile_s": [r["compile_s"] for r in recs]}
 
 
 def main(argv=None):
@@ -296,9 +377,14 @@ def main(argv=None):
     dev = device_info(small, args.reps)
     emit(dev, args.out)
     cfg = model_cfg(small)
+    if "attention" in parts:
+        lengths = [512] if small else [int(x) for x in args.attention_lengths.split(",") if x]
+        for rec in bench_attention(small, lengths, args.reps):
+            emit(rec, args.out)
     params = jax.jit(lambda k: decoder.init_params(cfg, k, jnp.bfloat16))(jax.random.PRNGKey(0))
     if "decode" in parts:
-        for batch in ((8, 16) if small else (64, 256)):
+        batches = [int(b) for b in args.decode_batches.split(",") if b] or ([8, 16] if small else [64, 256])
+        for batch in batches:
             emit(bench_decode(cfg, params, batch, 16 if small else 256, 16 if small else 512, dev, args.reps),
                  args.out)
     if "update" in parts:
@@ -306,7 +392,7 @@ def main(argv=None):
                                 8 if small else 64, 2 if small else 8, dev, args.reps):
             emit(rec, args.out)
     if "e2e" in parts:
-        emit(bench_e2e(cfg, jax.device_get(params), small, 1), args.out)
+        emit(bench_e2e(cfg, jax.device_get(params), small, args.e2e_steps - 1), args.out)
     emit({"bench": "total", "wall_s": time.perf_counter() - t0}, args.out)
 
 
