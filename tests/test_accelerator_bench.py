@@ -20,6 +20,13 @@ def test_accelerator_benchmark_small(tmp_path):
     for r in recs:
         by.setdefault(r["bench"], []).append(r)
     assert by["device"][0]["matmul_bf16_flops"] > 0 and by["device"][0]["copy_bytes_per_s"] > 0
+    checks = {r["check"]: r for r in by["attention"] if "check" in r}
+    assert set(checks) == {"dense", "blockwise"}  # no kernel on CPU
+    for r in checks.values():  # bfloat16 against float32: errors of bfloat16's size, not of a wrong mask
+        assert 0 < r["out_rel_err"] < 0.03 and max(r["dq_rel_err"], r["dk_rel_err"], r["dv_rel_err"]) < 0.03
+    timed_ = {r["impl"]: r for r in by["attention"] if "impl" in r}
+    assert set(timed_) == {"dense", "blockwise"} and all(r["tokens"] == 512 for r in timed_.values())
+    assert timed_["blockwise"]["temp_gib"] < timed_["dense"]["temp_gib"]  # no [T, T] scores
     dec = by["decode"]
     assert [r["batch"] for r in dec] == [8, 16]
     for r in dec:
@@ -35,4 +42,5 @@ def test_accelerator_benchmark_small(tmp_path):
         assert e2e["workflow"] == "orch_workers"
         assert e2e["sampler_s"] > 0 and e2e["update_s"] > 0 and e2e["reward_s"] >= 0
         assert e2e["sampler_s"] + e2e["update_s"] <= e2e["step_s"] * 1.01
+        assert len(e2e["steps_s"]) == 2 and e2e["steps_compile_s"][0] > 0  # the first step compiles
     assert by["total"][0]["wall_s"] > 0

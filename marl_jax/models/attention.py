@@ -26,7 +26,7 @@ Implementations (`impl`), chosen per backend by `choose`:
   lengths (never a mask: it would become a dense bias) for right-padded causal rows in bfloat16 / float16;
   other layouts and float32 fall back to blockwise, said once in the log.
 - "auto": dense for decode and rows whose scores are small, the backend's kernel above that, blockwise
-  otherwise.
+  otherwise (on GPU dense up to 4096 x 4096 scores first: blockwise is slow there).
 
 Decode over the sampler's paged KV pool (marl_jax.models.decoder.PagedCache) has two paths, chosen by
 `choose(..., pool=True)` in the decoder's paged branch:
@@ -494,6 +494,11 @@ def _once(msg: str):
 # (benchmarks/attention.py, forward + backward, one layer) the two tie at 512 tokens and blockwise is
 # 1.7x faster at 1024 (2.3x on packed rows, whose other segments' blocks it skips).
 DENSE_MAX_SCORES = 512 * 512
+# On GPU, for layouts cuDNN cannot express (packed rows, shared prefixes, cache chunks, float32), dense up
+# to this: blockwise's loop of small per-block kernels is slow there. One H200, forward + backward of one
+# row, 16 / 8 heads of 128, bfloat16 (benchmarks/accelerator.py, docs/results/accelerator/): dense 6.4 ms
+# vs blockwise 39 ms at 4096 tokens (2.5 GiB of temporaries vs 0.1), 95 ms vs 538 ms at 16384 (40 GiB).
+GPU_DENSE_MAX_SCORES = 4096 * 4096
 
 
 def _splash_can(layout: Layout, S: int, T: int) -> bool:
@@ -538,8 +543,11 @@ def choose(impl: str, S: int, T: int, backend: str | None = None, layout: Layout
     backend = backend or jax.default_backend()
     if backend == "tpu" and (layout is None or _splash_can(layout, S, T)):
         return "splash"
-    if backend in ("gpu", "cuda", "rocm") and (layout is None or _cudnn_can(layout, dtype)):
-        return "cudnn"
+    if backend in ("gpu", "cuda", "rocm"):
+        if layout is None or _cudnn_can(layout, dtype):
+            return "cudnn"
+        if S * T <= GPU_DENSE_MAX_SCORES:
+            return "dense"
     return "blockwise"
 
 
