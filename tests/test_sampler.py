@@ -379,6 +379,28 @@ def test_compiled_programs_stay_bounded(tiny):
     assert compiled() <= 16 and compiled() - first <= 2, {k: f._cache_size() for k, f in sampler._fns.items()}
 
 
+def test_prompts_sharing_a_longer_prefix_reuse_the_decode_programs(tiny):
+    """The prompt region is one length bucket whatever part of it the prompts share (prefilled once), so a
+    call whose prompts share 24 tokens decodes with the programs of one whose prompts share 16, as long as
+    its prompts are no longer; and sharing the prefix gives what prefilling every prompt whole gives."""
+    cfg, params, _ = tiny
+    rng = np.random.RandomState(3)
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    sampler = Sampler(cfg, pad_id=PAD)
+    decode = lambda: sorted((k[2], k[3], f._cache_size()) for k, f in sampler._fns.items() if k[0] == "decode")
+    calls = []
+    for shared, rests in ((16, (20, 24, 9, 13)), (24, (14, 17, 5, 11))):  # 40 and 41 tokens at most
+        head = rng.randint(1, cfg.vocab_size, shared).tolist()
+        prompts = [head + rng.randint(1, cfg.vocab_size, n).tolist() for n in rests]
+        calls.append((prompts, sampler.generate(params, prompts, jax.random.PRNGKey(0), sp)))
+        if shared == 16:
+            first = decode()
+    assert decode() == first, (first, decode())
+    whole = Sampler(cfg, pad_id=PAD, share_prefix=False)
+    for prompts, out in calls:
+        np.testing.assert_array_equal(whole.generate(params, prompts, jax.random.PRNGKey(0), sp).tokens, out.tokens)
+
+
 # ----------------------------------------------------------------------------------------- errors
 
 def test_empty_prompts_and_bad_params(tiny, sampler):

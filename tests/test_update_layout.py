@@ -454,3 +454,36 @@ def test_item_programs_compile_once_per_item_shape_across_batches():
         state, _ = step(state, base, batch)
         seen.append(step.item_programs())
     assert seen[0] == 1 and seen[1] == 2, seen
+
+
+def test_the_sampling_limit_as_width_keeps_one_steps_programs_for_the_next():
+    """make_batch(width=the sampling limit): a step whose completions all stop early has the same W and T as
+    one whose longest completion hit the limit, so it reuses that step's item programs (without width it
+    compiles its own), and the padding changes nothing: the same update either way."""
+    base, spec, tr = _setup(1, 0)
+    roles, r2s = ["gen", "judge"], {"gen": 0, "judge": 0}
+    groups = make_groups(roles, r2s, None)
+    tx = optim.per_slot(optax.sgd(LR))
+    make = lambda: make_train_step(CFG, spec, UpdateConfig(micro_batch=4, length_buckets=2), tx,
+                                   num_groups=len(groups.names), group_slot=groups.slot, group_role=[0, 1],
+                                   num_roles=2, role_slot=[0, 0])
+    state = lambda: init_state(jax.tree_util.tree_map(jnp.array, tr), tx)  # a step donates its state
+    row = lambda role, p, c: FakeRow(list(range(1, p + 1)), list(range(3, c + 3)), [-1.0] * c, role, 0)
+    limit = 48
+    full = [row("gen", 20, limit)] * 4 + [row("judge", 22, 30)] * 4
+    early = [row("gen", 40, 30)] * 4 + [row("judge", 30, 28)] * 4  # rows in the same token windows (96, 64)
+    batch = lambda rows, width: make_batch(rows, np.linspace(-1, 1, len(rows)).astype(np.float32), role_to_slot=r2s,
+                                           num_slots=1, groups=groups, micro_batch=4, width=width)
+    b_full, b_early, b_plain = batch(full, limit), batch(early, limit), batch(early, None)
+    assert b_early.targets.shape == b_full.targets.shape and b_early.tokens.shape == b_full.tokens.shape
+    assert b_plain.targets.shape[-1] < b_early.targets.shape[-1]
+    step = make()
+    step(state(), base, b_full)
+    n = step.item_programs()
+    after_early, _ = step(state(), base, b_early)
+    assert step.item_programs() == n  # nothing compiled for the early-stopping step
+    plain = make()
+    after_plain, _ = plain(state(), base, b_plain)
+    assert plain.item_programs() >= 1
+    for a, b in zip(jax.tree_util.tree_leaves(after_early.trainable), jax.tree_util.tree_leaves(after_plain.trainable)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

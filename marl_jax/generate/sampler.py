@@ -176,7 +176,9 @@ class Sampler(Scheduler, KVMemory, Programs):
             if self.share_prefix:
                 C = _shared_prefix_len(uniq)
                 cached, prefix = {p: C for p in uniq}, uniq[0][:C]
-        S = length_bucket(max(len(p) - cached.get(p, 0) for p in uniq))
+        # The prompt region P as a whole is a length bucket (not C + a bucket): P sets the shapes of the
+        # decode programs (the cache window P + Tn), so a step whose prompts share a longer prefix reuses them.
+        S = length_bucket(C + max(len(p) - cached.get(p, 0) for p in uniq)) - C
         return dict(hits=hits, cached=cached, C=C, S=S, P=C + S, prefix=prefix)
 
     def _prefill(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, B, key, cache_len=None,

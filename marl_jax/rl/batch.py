@@ -125,7 +125,7 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
                groups: GroupInfo, micro_batch: int, pad_id: int = 0, max_len: int | None = None,
                kl_coef: dict[str, float] | None = None, agg: str = "seq-mean-token-mean",
                keep_zero_advantage: bool = False, align_groups: bool = True,
-               sort_by_length: bool = True) -> TrainBatch:
+               sort_by_length: bool = True, width: int | None = None) -> TrainBatch:
     """Lay rows out by slot. Rows with `trained=False` count nowhere (no gradient, not in `den`).
 
     keep_zero_advantage: keep rows whose advantage is 0 (needed when a KL or entropy term is on).
@@ -133,6 +133,9 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
     need it; without diagnostics it only adds padding).
     sort_by_length: order rows longest first within each group (or slot, without align_groups), so
     micro-batches are tight; False keeps the rows' order.
+    width: the completion window W is at least this (the sampling limit), and T at least the longest prompt
+    + W: every step then has the same W and T (within the prompts' bucket) and reuses the update's compiled
+    programs, where a step whose completions all stop early would otherwise compile them again.
     """
     if len(rows) != len(advantages):
         raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
@@ -161,10 +164,13 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
         layout.append(lay)
     lengths = [len(r.prompt_tokens) + len(r.completion_tokens) for r in kept] or [1]
     T = length_bucket(max(lengths), minimum=64)
-    W = length_bucket(max([len(r.completion_tokens) for r in kept] or [1]), minimum=16)
+    W = length_bucket(max([len(r.completion_tokens) for r in kept] + [width or 1]), minimum=16)
     if max_len is not None and T > max_len:
         raise ValueError(f"a row has {max(lengths)} tokens but update.max_seq_len is {max_len}; "
                          "raise it or lower the sampling lengths")
+    if width and kept:
+        T_stable = length_bucket(max(len(r.prompt_tokens) for r in kept) + W, minimum=64)
+        T = max(T, T_stable) if max_len is None or T_stable <= max_len else T
     R = rows_bucket(max(len(p) for p in layout), micro_batch)
     S = num_slots
     b = TrainBatch(

@@ -213,7 +213,7 @@ class Trainer:
         batch = make_batch(rows, adv, role_to_slot=rt.role_to_slot, num_slots=rt.spec.num_slots, groups=self.groups,
                            micro_batch=c.grpo.micro_batch, pad_id=rt.tokenizer.pad_id, kl_coef=self.kl_coef,
                            agg=c.grpo.agg, keep_zero_advantage=self.ucfg.kl or self.ucfg.entropy_coef != 0.0,
-                           align_groups=c.grpo.diagnostics)
+                           align_groups=c.grpo.diagnostics, width=max(rt.max_new_tokens().values()))
         t1 = time.perf_counter()
         fn = self.step_fn if step % max(c.grpo.diagnostics_every, 1) == 0 else self.plain_step_fn
         self.state, m = fn(self.state, rt.base, jax.tree_util.tree_map(jnp.asarray, batch))
