@@ -118,6 +118,16 @@ def test_update_flops_follow_the_train_step_rule(smollm):
     assert 0.5 < one / (4 * n * 64) < 2.0
 
 
+def test_warm_steps_are_the_later_steps_that_compiled_little():
+    """speedup_warm takes marl_jax's later steps whose compiling was at most a tenth of the step, whole (compile
+    seconds overlap earlier work on the same cores, so they are not subtracted)."""
+    rec = lambda step, compile_s: bench.StepRecord(step_s=step, sample_s=step / 2, generate_s=step / 3, gen_tokens=10,
+                                                   prompts=[], lengths=[], reward=0.0, compile_s=compile_s)
+    st = bench.summarize([rec(40.0, 30.0), rec(24.0, 18.0), rec(14.0, 1.4), rec(15.0, 2.0), rec(13.0, 0.0)])
+    assert st["warm"] == [14.0, 13.0]
+    assert st["step_s"] == 14.5  # the steady figure still counts every later step
+
+
 def test_help_runs_without_loading_anything():
     p = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
