@@ -582,9 +582,9 @@ def flops_line(name: str, records: Sequence[StepRecord], cfg, spec, peak: float)
     net = ""
     if any(r.update_compile_s for r in rest):
         warm = [f / max(r.update_s, 1e-9) for f, r in zip(fl, rest) if r.update_compile_s <= WARM * r.update_s]
-        net = (f" ({statistics.median(warm) / 1e9:.1f} GFLOP/s = {100 * statistics.median(warm) / peak:.1f}% in "
-               f"the {len(warm)} later update(s) that compiled little)" if warm else
-               " (every later update compiled: no warm figure)")
+        w = statistics.median(warm) if warm else 0.0
+        net = (f" ({w / 1e9:.1f} GFLOP/s = {100 * w / peak:.1f}% in the {len(warm)} later update(s) that compiled "
+               "little)" if warm else " (every later update compiled: no warm figure)")
     if not any(r.lengths for r in rest):
         return f"{name} update: no row carried gradient (every group's rewards were equal): no useful FLOPs"
     return (f"{name} update: useful {statistics.median(fl) / 1e12:.3f} TFLOP/step over "

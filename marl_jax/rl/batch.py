@@ -168,9 +168,10 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
     if max_len is not None and T > max_len:
         raise ValueError(f"a row has {max(lengths)} tokens but update.max_seq_len is {max_len}; "
                          "raise it or lower the sampling lengths")
-    if width and kept:
-        T_stable = length_bucket(max(len(r.prompt_tokens) for r in kept) + W, minimum=64)
-        T = max(T, T_stable) if max_len is None or T_stable <= max_len else T
+    if width and kept:  # as long as every row could be, unless that passes max_len
+        stable = length_bucket(max(len(r.prompt_tokens) for r in kept) + W, minimum=64)
+        if max_len is None or stable <= max_len:
+            T = max(T, stable)
     R = rows_bucket(max(len(p) for p in layout), micro_batch)
     S = num_slots
     b = TrainBatch(
