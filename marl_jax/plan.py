@@ -293,6 +293,7 @@ class Knobs:
     kv_budget_gb: float = 0.0  # rollout.kv_budget_gb: the paged pool per device (0: dense / paged bound)
     max_tokens: int = 0  # grpo.max_tokens_per_micro_batch (0: micro_batch rows per item)
     backend: str = "cpu"  # what model.attention=auto resolves on: cpu | tpu | gpu
+    max_batched_tokens: int = 0  # rollout.max_batched_tokens: prompt tokens one refill prefills (0: no cap)
 
 
 def static_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh) -> dict[str, float]:
@@ -390,8 +391,35 @@ def budget_concurrency(cfg: ModelConfig, config, st: "Stage", mesh: Mesh, max_ba
             "blocks": blocks, "row_blocks": full}
 
 
+def prefill_rows(cfg: ModelConfig, config, st: "Stage", mesh: Mesh, max_batch: int, budget_gb: float = 0.0,
+                 max_batched_tokens: int = 0, paged: bool = False) -> tuple[int, int]:
+    """(distinct prompts, rows) on one device of the largest prefill the sampler runs for a stage.
+
+    Sampler._prefill builds a dense cache of the distinct prompts, then one of every row it prefills. Dense,
+    those are the first batch. Paged, they are the rows one refill admits: no more than the free rows,
+    max_batched_tokens' prompt tokens (each row's prompt counted) and, under a KV budget, the rows whose
+    prompt blocks fit the pool beside the 1% watermark (a task's episodes share their prompt's blocks; the
+    batch's first rows go to the first shard, so the refill stops there when its blocks run out)."""
+    from marl_jax.generate.sampler import _batch_bucket, length_bucket
+    D = mesh.rows
+    B = _batch_bucket(min(st.rows, max_batch), 8, D)
+    g = max(1, st.rows // max(st.distinct, 1))  # episodes per prompt, next to each other in the batch
+    n = min(st.rows, B)
+    if paged and max_batched_tokens:
+        n = min(n, max(1, max_batched_tokens // max(st.prompt, 1)))
+    if budget_gb > 0:
+        blk = int(config.rollout.get("kv_block", 16))
+        P, Tn = length_bucket(st.prompt), length_bucket(st.new)
+        N = max(2, min(int(budget_gb * GiB // (blk * slot_bytes(cfg, config, mesh))), 1 + (B // D) * -(-(P + Tn) // blk)))
+        room = (N - 1) - max(1, (N - 1) // 100)
+        shard = max(1, room // max(1, -(-st.prompt // blk))) * g  # rows one shard admits on its prompt blocks
+        n = min(n, shard if shard < B // D else B)
+    u = min(st.distinct, -(-n // g))
+    return _batch_bucket(u, 1, D) // D, _batch_bucket(n, 1, D) // D
+
+
 def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
-             kv_budget_gb: float | None = None) -> tuple[float, float, int]:
+             kv_budget_gb: float | None = None, max_batched_tokens: int | None = None) -> tuple[float, float, int]:
     """(KV cache bytes with a decode step's temporaries, prefill transient bytes, rows decoding at once) per
     device for the largest sampler call.
 
@@ -399,40 +427,40 @@ def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
     admitted while their blocks fit, so at most budget_concurrency rows decode at once. Otherwise dense: every
     row holds prompt + max new tokens; paged (rollout.paged_kv): the pool when every row runs to its limit,
     plus the pool before its last growth, which lives until the grown copy exists; a task's episodes share
-    their prompt's blocks. Prefill runs in chunks of rollout.prefill_chunk tokens, the distinct prompts at
-    their own row count."""
+    their prompt's blocks. Prefill (prefill_rows) runs in chunks of rollout.prefill_chunk tokens over a dense
+    cache of the distinct prompts; paged, that cache is then copied to every admitted row's and written into
+    the pool's blocks, so the prefill transient is the larger of (distinct cache + a chunk's temporaries) and
+    (distinct cache + rows' cache). Dense, the rows' cache is the decode cache itself."""
     from marl_jax.generate.sampler import _batch_bucket, length_bucket
     e = _bytes(config.model.dtype)
     budget = float(config.rollout.get("kv_budget_gb", 0.0)) if kv_budget_gb is None else kv_budget_gb
+    mbt = int(config.rollout.get("max_batched_tokens", 0)) if max_batched_tokens is None else max_batched_tokens
     paged = bool(config.rollout.get("paged_kv", False)) or budget > 0
     blk = int(config.rollout.get("kv_block", 16))
     chunk = int(config.rollout.get("prefill_chunk", 2048))
+    if mbt:
+        chunk = min(chunk, mbt)  # the sampler's rule: a refill's chunk shares max_batched_tokens
     slot = slot_bytes(cfg, config, mesh)
     worst_kv, worst_pre, worst_b = 0.0, 0.0, 0
     for st in w.stages:
         B = _batch_bucket(min(st.rows, max_batch), 8, mesh.rows)
-        bu = math.ceil(min(st.distinct, max_batch) / mesh.rows)
         P, Tn = length_bucket(st.prompt), length_bucket(st.new)
         b = B / mesh.rows
+        bu, bg = prefill_rows(cfg, config, st, mesh, max_batch, budget, mbt, paged)
         if budget > 0:
             conc = budget_concurrency(cfg, config, st, mesh, max_batch, budget, blk)["concurrent"]
             b = math.ceil(max(conc, 1) / mesh.rows)
             kv = budget * GiB
-            # The prompts are prefilled into the pool's blocks as their rows are admitted: at most the rows
-            # that decode at once, and no more prompt tokens than rollout.max_batched_tokens when it is set.
-            bu = min(bu, b)
-            mbt = int(config.rollout.get("max_batched_tokens", 0))
-            if mbt:
-                bu = min(bu, max(1, mbt // (min(chunk, P) * mesh.rows)))
-            pre = prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh)
         else:
             kv = b * (P + Tn) * slot
             if paged:
                 distinct = math.ceil(min(st.distinct, B) / mesh.rows)
                 N, prev = paged_pool_blocks(int(b), distinct, P, Tn, blk)
                 kv = (N + (prev if prev < N else 0)) * blk * slot
-            # The distinct prompts' cache (paged: prompt slots only) and one chunk's temporaries.
-            pre = bu * (P + (0 if paged else Tn)) * slot + prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh)
+        if paged:
+            pre = bu * P * slot + max(prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh), bg * P * slot)
+        else:
+            pre = bu * (P + Tn) * slot + prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh)
         step = decode_step_bytes(cfg, b, P + Tn, e, mesh)
         if kv + step + pre > worst_kv + worst_pre:
             worst_kv, worst_pre, worst_b = kv + step, pre, int(b * mesh.rows)
@@ -469,7 +497,7 @@ def batch_bytes(w: Workload, micro_batch: int, mesh: Mesh) -> float:
 
 def memory(cfg: ModelConfig, config, w: Workload, knobs: Knobs) -> dict[str, float]:
     st = static_bytes(cfg, config, w, knobs.mesh)
-    kv, prefill, B = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch, knobs.kv_budget_gb)
+    kv, prefill, B = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch, knobs.kv_budget_gb, knobs.max_batched_tokens)
     act = activation_bytes(cfg, config, w, knobs)
     held = st["base_weights"] + st["trainable"] + st["optimizer"]
     out = dict(st, kv_cache=kv, prefill_transient=prefill, sampler_batch=B, activations=act,
@@ -610,12 +638,23 @@ def fit_update(cfg, config, w, knobs: Knobs, limit: float) -> Knobs | None:
     return None
 
 
+MAX_BATCHED_TOKENS = (16384, 8192, 4096, 2048)  # the reference's vLLM max_num_batched_tokens first, then halves
+
+
 def fit_rollout(cfg, config, w, knobs: Knobs, limit: float) -> Knobs | None:
-    """The knobs as they are when the rollout fits, else with the KV budget that fits (None: none does)."""
+    """The knobs as they are when the rollout fits, else with the KV budget that fits (None: none does). A
+    budget's refills prefill the rows they admit at once, so unless rollout.max_batched_tokens is set, the
+    budget comes with the reference's 16,384 prompt tokens per refill (or fewer, when that does not fit)."""
     if memory(cfg, config, w, knobs)["rollout_peak"] <= limit:
         return knobs
-    g = kv_budget_that_fits(cfg, config, w, knobs, limit)
-    return dataclasses.replace(knobs, kv_budget_gb=g) if g else None
+    caps = [knobs.max_batched_tokens] if knobs.max_batched_tokens else []
+    caps += [t for t in MAX_BATCHED_TOKENS if not caps or t < caps[0]]
+    for t in caps:
+        k = dataclasses.replace(knobs, max_batched_tokens=t)
+        g = kv_budget_that_fits(cfg, config, w, k, limit)
+        if g:
+            return dataclasses.replace(k, kv_budget_gb=g)
+    return None
 
 
 def smallest_fit(cfg, config, w, chip: Chip, n: int, knobs: Knobs | None = None) -> Knobs | None:
@@ -625,7 +664,8 @@ def smallest_fit(cfg, config, w, chip: Chip, n: int, knobs: Knobs | None = None)
     limit = USABLE * chip.hbm
     base = knobs or Knobs(Mesh(n), int(config.grpo.micro_batch), "full", int(config.rollout.max_batch),
                           float(config.rollout.get("kv_budget_gb", 0.0)),
-                          int(config.grpo.get("max_tokens_per_micro_batch", 0)), chip.kind)
+                          int(config.grpo.get("max_tokens_per_micro_batch", 0)), chip.kind,
+                          int(config.rollout.get("max_batched_tokens", 0)))
     for mesh in sorted(meshes(n), key=lambda m: (m.fsdp * m.model, m.model)):
         k = dataclasses.replace(base, mesh=mesh)
         if (k.max_tokens or k.kv_budget_gb) and mesh.rows != base.mesh.rows:  # budgets scale with the rows
@@ -649,6 +689,8 @@ def knob_flags(k: Knobs, config) -> str:
     out.append(f"--config.grpo.remat={k.remat}")
     if k.kv_budget_gb:
         out.append(f"--config.rollout.kv_budget_gb={k.kv_budget_gb:g} --config.rollout.paged_kv=true")
+    if k.max_batched_tokens != int(config.rollout.get("max_batched_tokens", 0)):
+        out.append(f"--config.rollout.max_batched_tokens={k.max_batched_tokens}")
     if k.max_batch != int(config.rollout.max_batch):
         out.append(f"--config.rollout.max_batch={k.max_batch}")
     return " ".join(out)
@@ -657,7 +699,7 @@ def knob_flags(k: Knobs, config) -> str:
 def configured_knobs(config, mesh: Mesh, chip: Chip) -> Knobs:
     return Knobs(mesh, int(config.grpo.micro_batch), str(config.grpo.remat), int(config.rollout.max_batch),
                  float(config.rollout.get("kv_budget_gb", 0.0)), int(config.grpo.get("max_tokens_per_micro_batch", 0)),
-                 chip.kind)
+                 chip.kind, int(config.rollout.get("max_batched_tokens", 0)))
 
 
 def plan(config, chip_spec: str, prompt_tokens: int = 512, search_chips: bool = True) -> dict[str, Any]:
@@ -707,7 +749,7 @@ def plan(config, chip_spec: str, prompt_tokens: int = 512, search_chips: bool = 
         "smallest_fit": None if fit is None else {
             "mesh": str(fit.mesh), "micro_batch": fit.micro_batch, "max_tokens_per_micro_batch": fit.max_tokens,
             "remat": fit.remat, "max_batch": fit.max_batch, "kv_budget_gb": fit.kv_budget_gb,
-            "flags": knob_flags(fit, config), "memory": memory(cfg, config, w, fit),
+            "max_batched_tokens": fit.max_batched_tokens, "flags": knob_flags(fit, config), "memory": memory(cfg, config, w, fit),
             "time": roofline(cfg, config, w, fit, chip)},
         "token_budget": tb,
         "fewest_chips": fewest,

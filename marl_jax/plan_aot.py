@@ -175,8 +175,10 @@ def run_shapes(cfg: ModelConfig, config, w, knobs) -> dict[str, dict]:
     rows = -(-rows // m.rows) * m.rows
     st = max(w.stages, key=lambda s: s.prompt)
     Pl, Tn = length_bucket(st.prompt), length_bucket(st.new)
-    chunk = min(int(config.rollout.get("prefill_chunk", 2048)), Pl)
-    bu = -(-min(st.distinct, knobs.max_batch) // m.rows) * m.rows
+    mbt = knobs.max_batched_tokens
+    chunk = min(int(config.rollout.get("prefill_chunk", 2048)), mbt or Pl, Pl)
+    paged = bool(config.rollout.get("paged_kv", False)) or knobs.kv_budget_gb > 0
+    bu = P.prefill_rows(cfg, config, st, m, knobs.max_batch, knobs.kv_budget_gb, mbt, paged)[0] * m.rows
     blk = int(config.rollout.get("kv_block", 16))
     window = -(-(Pl + Tn) // blk) * blk
     B = -(-min(max(s.rows for s in w.stages), knobs.max_batch) // m.rows) * m.rows
@@ -190,6 +192,7 @@ def run_shapes(cfg: ModelConfig, config, w, knobs) -> dict[str, dict]:
                             plan_flops=rows * T * cfg.flops_per_token(T // 2) * (4 if knobs.remat == "full" else 3) / m.size),
         "prefill chunk": dict(rows=bu, chunk=chunk, prompt=Pl,
                               plan_temporaries=P.prefill_chunk_bytes(cfg, bu / m.rows, chunk, Pl, e, m),
+                              plan_cache=bu / m.rows * Pl * P.slot_bytes(cfg, config, m),
                               plan_flops=bu * chunk * cfg.flops_per_token(Pl) / m.size),
         "decode step": dict(rows=B, blocks=blocks, block=blk, window=window,
                             plan_temporaries=P.decode_step_bytes(cfg, B / m.rows, window, e, m),
@@ -241,7 +244,8 @@ def aot(config, chip_spec: str, knobs=None, prompt_tokens: int = 512, layers: in
             f = p["smallest_fit"]
             knobs = dc.replace(knobs, mesh=P.Mesh(*map(int, f["mesh"].split("x"))), micro_batch=f["micro_batch"],
                                remat=f["remat"], max_batch=f["max_batch"], kv_budget_gb=f["kv_budget_gb"],
-                               max_tokens=f["max_tokens_per_micro_batch"])
+                               max_tokens=f["max_tokens_per_micro_batch"],
+                               max_batched_tokens=f["max_batched_tokens"])
     if knobs.remat == "auto":
         knobs = dc.replace(knobs, remat="full")
     m = knobs.mesh

@@ -141,6 +141,55 @@ def test_paged_kv_pool_matches_the_sampler(rows, distinct, plen, new):
         assert paged[0] < dense[0]
 
 
+@pytest.mark.parametrize("rows,distinct,budget_blocks,mbt,paged", [
+    (16, 16, 40, 0, True),  # the budget's blocks bind: 5 prompts of 7 blocks beside the 1% watermark
+    (16, 16, 200, 300, True),  # max_batched_tokens binds: 3 prompts of 100 tokens
+    (16, 4, 40, 0, True),  # a task's 4 episodes share their prompt's blocks: all 16 rows admitted
+    (16, 16, 0, 0, True),  # paged without a budget: the first batch
+    (16, 16, 0, 0, False),  # dense: the first batch
+])
+def test_prefill_rows_match_the_sampler(rows, distinct, budget_blocks, mbt, paged):
+    """The dense prompt caches a prefill builds (its distinct prompts', then every admitted row's) are as many
+    rows as the plan counts: Sampler._prefill runs them before the rows' blocks go into the pool."""
+    from marl_jax.generate.sampler import Sampler, SamplingParams
+
+    params = decoder.init_params(CFG, jax.random.PRNGKey(0))
+    rng = np.random.RandomState(0)
+    base = [rng.randint(3, CFG.vocab_size, 100).tolist() for _ in range(distinct)]
+    slot = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
+    s = Sampler(CFG, max_batch=rows, paged=paged, kv_block=16, prefix_cache_tokens=0,
+                kv_budget_bytes=budget_blocks * 16 * slot, max_batched_tokens=mbt)
+    out = s.generate(params, [base[i * distinct // rows] for i in range(rows)], jax.random.PRNGKey(1),
+                     SamplingParams(max_new_tokens=32, temperature=1.0))
+    assert (out.lengths == 32).all()
+    c = _config()
+    st = P.Stage("worker", rows, distinct, 100, 32)
+    got = P.prefill_rows(CFG, c, st, P.Mesh(), rows, budget_blocks * 16 * slot / P.GiB, mbt, paged)
+    assert got == (s.stats["peak_prefill_distinct"], s.stats["peak_prefill_rows"])
+    if budget_blocks and distinct == rows:  # the cap left rows waiting for later refills
+        assert s.stats["refills"] > 1 and got[1] < rows
+
+
+def test_a_budget_without_a_prefill_cap_counts_the_admitted_prompts():
+    """Under a KV budget the rows a refill admits are prefilled into dense caches before their blocks: for
+    voting's 512 distinct 15,872-token aggregator prompts that is 256 rows of 16,384 slots (XLA:TPU refuses
+    to compile it on a v5p-8: 122.75 GiB of the prefill chunk alone), so the plan's knobs cap the prompt
+    tokens a refill prefills with rollout.max_batched_tokens. With 28 layers a 75 GiB pool holds 43 such
+    prompts per shard, so the first refill admits 43 rows (all to the first shard), prefilled over 4 devices."""
+    c = _preset()
+    cfg, w, mesh = P.model_config(c.model.name), P.workload(c), P.Mesh(4)
+    _, uncapped, _ = P.kv_bytes(cfg, c, w, mesh, 256, 75.0, 0)
+    _, capped, _ = P.kv_bytes(cfg, c, w, mesh, 256, 75.0, 16384)
+    slot = P.slot_bytes(cfg, c, mesh)
+    agg = max(w.stages, key=lambda s: s.prompt)
+    assert P.prefill_rows(cfg, c, agg, mesh, 256, 75.0, 0, True) == (12, 12)  # 43 rows, bucketed to 48
+    assert uncapped >= 2 * 12 * 16384 * slot > 40 * P.GiB  # beside the 75 GiB pool: no fit on 95 GiB
+    assert P.prefill_rows(cfg, c, agg, mesh, 256, 75.0, 16384, True) == (1, 1)
+    assert capped < 5 * P.GiB
+    f = P.plan(c, "v5p-8", search_chips=False)["smallest_fit"]
+    assert "--config.rollout.max_batched_tokens=16384" in f["flags"] and f["memory"]["prefill_transient"] < 5 * P.GiB
+
+
 def test_chips_and_meshes():
     chip, n = P.parse_chip("v4-16")
     assert chip.name == "TPU v4" and n == 8

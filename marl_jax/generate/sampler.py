@@ -138,7 +138,8 @@ class Sampler(Scheduler, KVMemory, Programs):
         self._stops, self._limits = tuple(sp.stop_ids), limits
         self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_s": 0.0,
                       "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "fine_compactions": 0,
-                      "refills": 0, "stored_tokens": 0, "peak_kv_bytes": 0}
+                      "refills": 0, "stored_tokens": 0, "peak_kv_bytes": 0, "peak_prefill_distinct": 0,
+                      "peak_prefill_rows": 0}
         if self.paged:
             self.stats.update(peak_kv_live_bytes=0, pool_grows=0, preemptions=0, recomputed_tokens=0,
                               recomputed_prompt_tokens=0, resumed_rows=0, resume_prefills=0)
@@ -231,6 +232,9 @@ class Sampler(Scheduler, KVMemory, Programs):
         jax.block_until_ready(state.token)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_rows"] += len(uniq)
+        # The dense caches this prefill built (distinct prompts, then every row): what marl_jax.plan counts.
+        self.stats["peak_prefill_distinct"] = max(self.stats["peak_prefill_distinct"], Bu)
+        self.stats["peak_prefill_rows"] = max(self.stats["peak_prefill_rows"], B)
         self.stats["prefill_tokens"] += len(plan["prefix"]) + sum(len(p) - cached.get(p, 0) for p in uniq)
         if resume is not None:  # preempted rows computed again: their prompts (once per distinct one) and tokens
             gen_tokens = sum(len(x[0]) - 1 for x in gens if x is not None)
