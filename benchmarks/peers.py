@@ -92,7 +92,11 @@ class Settings:
     agg: str = "seq-mean-token-mean"
     kl_coef: float = 0.0
     adv_eps: float = 1e-4  # TRL's fixed (std + 1e-4); marl_jax's advantage.eps is set to it
-    micro_batch: int = 8  # rows per forward/backward
+    micro_batch: int = 8  # rows per forward/backward (TRL's per_device_train_batch_size; marl_jax's without max_tokens)
+    # marl_jax grpo.max_tokens_per_micro_batch: items of at most this many computed positions, packed across
+    # groups (benchmarks/update_anatomy.py: 2x faster than 8-row micro-batches on the short workload; same
+    # loss and gradient: one optimizer step over all rows either way). 0: micro_batch rows per item.
+    max_tokens: int = 1024
     dtype: str = "float32"
     prompt_dir: str = "compact"  # marl_jax workflow_options.prompt_dir ("" = the packaged prompts)
     difficulty: tuple = (("min_terms", 2), ("max_terms", 2), ("min_digits", 1), ("max_digits", 1),
@@ -155,6 +159,7 @@ def marl_config(s: Settings):
                   diagnostics=False, metrics=True)
     c.grpo.kl_coef.generator = s.kl_coef
     c.grpo.remat = s.remat
+    c.grpo.max_tokens_per_micro_batch = s.max_tokens
     c.optim.update(lr=s.lr, weight_decay=s.weight_decay, grad_clip=s.grad_clip, schedule="constant",
                    warmup_steps=0)
     c.train.update(seed=s.seed, tensorboard=False, plots=False)
@@ -238,7 +243,8 @@ def paired_settings(mc, tk, lk) -> list[tuple[str, Any, Any]]:
         ("old log-probs", "current policy, detached" if mc.grpo.old_logp == "recompute" else "sampler's",
          "current policy, detached" if aligned else "recomputed before the update"),
         ("updates per batch", 1, g("num_iterations")),
-        ("rows per micro-batch", mc.grpo.micro_batch, g("per_device_train_batch_size")),
+        ("rows per optimizer step", mc.num_tasks * mc.rollout.group_size,
+         g("per_device_train_batch_size") * g("gradient_accumulation_steps")),
         ("truncated completions trained", True, not g("mask_truncated_completions")),
         ("compute dtype", mc.model.dtype, trl_dtype),
         ("chat template enable_thinking", False, dict(g("chat_template_kwargs") or {}).get("enable_thinking")),
@@ -253,9 +259,13 @@ def implementation_differences(s: Settings) -> list[str]:
              "full": "recomputes each layer", "auto": "per token window, the least recomputation whose "
              "activations fit grpo.remat_budget_gb"}[s.remat]
     ckpt = "recomputes each layer" if s.trl_checkpointing else "keeps every activation"
+    items = (f"items of at most {s.max_tokens} computed positions, rows packed across groups "
+             f"(grpo.max_tokens_per_micro_batch={s.max_tokens})" if s.max_tokens else f"{s.micro_batch} rows")
     return list(IMPLEMENTATION_DIFFERENCES) + [
         f"backward recomputation: marl_jax grpo.remat={s.remat} ({remat}); TRL "
-        f"gradient_checkpointing={s.trl_checkpointing} ({ckpt})"]
+        f"gradient_checkpointing={s.trl_checkpointing} ({ckpt})",
+        f"forward/backward granularity (memory only; one optimizer step over all rows on both sides): marl_jax "
+        f"{items}; TRL per_device_train_batch_size={s.micro_batch} rows with gradient accumulation"]
 
 
 IMPLEMENTATION_DIFFERENCES = (
@@ -271,7 +281,8 @@ IMPLEMENTATION_DIFFERENCES = (
     "marl_jax runs each micro-batch over a token window, rows packed end to end and a group's shared prompt "
     "laid over one copy (grpo.packing, share_prefix=16 of the CPU preset)",
     "micro-batch membership: TRL shuffles the rows before splitting them; marl_jax orders them by length "
-    "(same loss: equal micro-batch sizes, seq-mean-token-mean over all rows)",
+    "and, with a token budget, fills each item up to it (same loss: one optimizer step, seq-mean-token-mean "
+    "over all rows)",
     "per-step extras: marl_jax grpo.metrics (entropy, clip fraction; diagnostics off); TRL logs entropy, clip "
     "ratios, reward and length statistics",
     "execution: marl_jax compiles its programs at the first step (XLA, all cores); TRL runs eagerly (torch, "
@@ -606,6 +617,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group_size", type=int, default=None, help="completions per task (default 8)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="default 64 (short) / 512 (longtail)")
     p.add_argument("--micro_batch", type=int, default=None, help="rows per forward/backward (default 8)")
+    p.add_argument("--max_tokens", type=int, default=None,
+                   help="marl_jax grpo.max_tokens_per_micro_batch (default 1024; 0: --micro_batch rows per item)")
     p.add_argument("--lr", type=float, default=None, help="default 1e-5")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--compile_cache", action="store_true",
@@ -618,6 +631,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k in ("prompts", "group_size", "max_new_tokens", "micro_batch"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k} must be >= 1")
+    if args.max_tokens is not None and args.max_tokens < 0:
+        p.error("--max_tokens must be >= 0 (0: --micro_batch rows per item)")
     if args.group_size is not None and args.group_size < 2:
         p.error("--group_size must be >= 2 (GRPO compares completions of one prompt)")
     try:
@@ -630,7 +645,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def settings_from(args: argparse.Namespace, workload: str) -> Settings:
     return workload_settings(workload, args.small, prompts=args.prompts, group_size=args.group_size,
-                             max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch, lr=args.lr)
+                             max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch, lr=args.lr,
+                             max_tokens=args.max_tokens)
 
 
 def run_workload(args, s: Settings, m, hf_dir: str, peaks: list[float]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ with one knob changed at a time; each variant compiles once, then --reps timed s
 
 Useful FLOPs are benchmarks/train_step.py's rule (matmuls of real tokens with causal context, the LM head on
 completion tokens only); executed FLOPs count what the step computes (every packed position, the head over
-each row's scored window W, the forward again under remat). The floor: the same executed matmuls at the
+each unpacked row's scored window, a packed item's packed positions, the forward again under remat). The floor: the same executed matmuls at the
 item's own shapes (M positions x the layer's widths, the head's rows x vocabulary), timed as plain jitted
 matmuls, against the 2048^3 peak. Prints a table and `useful_of_peak=` for the peers' settings.
 """
@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--variants", default="peers,metrics_off,remat_none,remat_full,mb16,mb32,mb64,no_packing",
+    p.add_argument("--variants", default="peers,metrics_off,remat_none,remat_full,mb16,mb32,mb64,budget1024,budget4096,no_packing",
                    help="comma-separated subset of the variants to time")
     return p.parse_args(argv)
 
@@ -52,6 +52,8 @@ VARIANTS = {  # name -> (what changes, UpdateConfig overrides)
     "mb32": ("micro-batch 32", dict(micro_batch=32)),
     "mb64": ("micro-batch 64 (one item)", dict(micro_batch=64)),
     "no_packing": ("no packing (token windows)", dict(packing=False, share_prefix=0)),
+    "budget4096": ("items of <= 4096 positions (grpo.max_tokens_per_micro_batch)", dict(max_tokens_per_micro_batch=4096)),
+    "budget1024": ("items of <= 1024 positions", dict(max_tokens_per_micro_batch=1024)),
 }
 
 
@@ -78,11 +80,14 @@ def executed_flops(cfg, spec, plan, W: int, remat: str) -> tuple[float, list[tup
         rows = len(it.rows)
         pos = int(it.positions)
         t = int(it.kind[-1])
-        f = step_flops(cfg, spec, pos, t, rows * W)
+        head = rows * min(W, t)
+        if it.kind[0] == "pack":  # packed items score their completion tokens only (update.scored_positions)
+            head = min(head, pos)
+        f = step_flops(cfg, spec, pos, t, head)
         if remat != "none":  # the forward again (dots: all but the saved matmuls; counted whole, an upper bound)
             f += step_flops(cfg, spec, pos, t, 0) / 3 if remat == "full" else 0.0
         total += f
-        shapes.append((pos, rows * W))
+        shapes.append((pos, head))
     return total, shapes
 
 
@@ -172,7 +177,7 @@ def main(argv=None) -> None:
               if ucfg.packing else batch)
         plan = plan_items(pb, micro_batch=ucfg.micro_batch, length_buckets=ucfg.length_buckets,
                           grid=ucfg.length_grid, packing=ucfg.packing, share_prefix=ucfg.share_prefix,
-                          max_tokens=0, by_group=False)
+                          max_tokens=ucfg.max_tokens_per_micro_batch, by_group=False)
         exe, shapes = executed_flops(cfg, spec, plan, W, ucfg.remat)
         batch = jax.tree_util.tree_map(jnp.asarray, batch)
         step = make_train_step(cfg, spec, ucfg, tx, **tables)
@@ -188,7 +193,7 @@ def main(argv=None) -> None:
             float(met["loss"])
             times.append(time.perf_counter() - t)
         med = statistics.median(times)
-        floor = matmul_floor(cfg, spec, shapes) if name == "peers" or name.startswith("mb") else None
+        floor = matmul_floor(cfg, spec, shapes) if name == "peers" or name.startswith(("mb", "budget")) else None
         results.append((name, what, len(plan), sum(p for p, _ in shapes), exe, med, first, floor))
         print(f"[{i + 1}/{len(names)}] {name}: {med:.2f} s/step (first {first:.1f} s), "
               f"{len(plan)} items, elapsed {time.perf_counter() - t0:.0f} s", flush=True)

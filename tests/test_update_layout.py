@@ -16,7 +16,7 @@ from marl_jax.rl import optim
 from marl_jax.rl.batch import make_batch, make_groups
 from marl_jax.models import decoder
 from marl_jax.rl.update import (UpdateConfig, init_state, item_positions, item_windows, length_ladder, make_train_step,
-                                pack_batch, pack_rows, pack_shapes, pack_units, share_units)
+                                pack_batch, pack_rows, pack_shapes, pack_units, scored_positions, share_units)
 from test_update import CFG, LR, FakeRow, _assert_tree_close, _ref_grad, _setup
 
 import optax
@@ -295,7 +295,21 @@ def test_packed_micro_batches_give_the_plain_layouts_step(r2s):
     b = pack_batch(packed[2], 4, 3)
     used = {pack_shapes(b.tokens.shape[-1], 4, 3)[k][0] for k in np.unique(b.pack_shape[b.length > 0])}
     assert min(used) < 4, "some micro-batch must be packed into fewer sequences than rows"
+    # Packed items score only their completion tokens in the LM head (update.scored_positions), not every
+    # row's window: some item here must take that path for the comparison to cover it.
+    from marl_jax.rl.layout import plan_items
+    W, mask = b.targets.shape[-1], np.asarray(b.loss_mask)
+    gathered = [scored_positions(mask[it.slot][it.rows][:, :min(W, it.kind[2])], it.kind[1] * it.kind[2])
+                for it in plan_items(b, micro_batch=4, length_buckets=3, packing=True) if it.kind[0] == "pack"]
+    assert any(g is not None for g in gathered)
     _assert_same_step(plain, packed)
+
+
+def test_scored_positions_are_the_masked_positions_padded_past_the_end():
+    mask = np.array([[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], np.float32)
+    np.testing.assert_array_equal(scored_positions(mask, 6), [1, 2, 4, 12, 12, 12])
+    assert scored_positions(mask, 12) is None  # the whole window: nothing saved
+    assert scored_positions(mask, 2) is None  # would not fit: the item keeps its window
 
 
 def test_head_in_chunks_of_positions_equals_the_whole_window():

@@ -145,6 +145,20 @@ def head_chunk(N: int, W: int, V: int, chunk: int = 0, *, sharded: bool = False)
     return max(8, _HEAD_BYTES // (4 * V * N)), False
 
 
+def scored_positions(loss_mask: np.ndarray, capacity: int) -> np.ndarray | None:
+    """The flat indices (row * W + position) of an item's scored positions, padded with N * W to `capacity`
+    entries: the LM head then runs over them alone instead of every row's whole window. A packed item's
+    capacity is its packed positions, which hold every completion token, so its program's shape is still
+    its packed shape. None when that saves nothing (or, which packing rules out, they do not fit)."""
+    N, W = loss_mask.shape
+    idx = np.flatnonzero(np.asarray(loss_mask) > 0).astype(np.int32)
+    if capacity >= N * W or len(idx) > capacity:
+        return None
+    out = np.full(capacity, N * W, np.int32)
+    out[:len(idx)] = idx
+    return out
+
+
 class TrainState(NamedTuple):
     trainable: Any  # slot-stacked
     opt_state: Any
@@ -212,6 +226,14 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
         else:
             h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
         head = lambda x: decoder.unembed(p, cfg, x, mesh=mesh, rules=rules)
+        if "head_idx" in rows:  # the item's scored positions only, laid as one row (scored_positions)
+            hi = rows["head_idx"]
+            at = jnp.minimum(hi, N * W - 1)
+            c, _ = head_chunk(1, hi.shape[0], cfg.vocab_size)
+            lp, ent = L.head_logprobs(head, h.reshape(N * W, -1)[at][None], rows["targets"].reshape(N * W)[at][None],
+                                      entropy=entropy, chunk=c)
+            back = lambda x: jnp.zeros((N * W,), x.dtype).at[hi].set(x[0], mode="drop").reshape(N, W)
+            return back(lp), (None if ent is None else back(ent))
         if flat:  # the item's scored positions as one row: a chunk's logits do not grow with its rows
             lp, ent = L.head_logprobs(head, h.reshape(1, N * W, -1), rows["targets"].reshape(1, N * W),
                                       entropy=entropy, chunk=chunk)
@@ -500,6 +522,10 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                  for k, v in rows.items()}
             if it.pack is not None:
                 r.update(it.pack)
+            if it.kind[0] == "pack" and mesh is None and not ucfg.head_chunk:
+                hi = scored_positions(r["loss_mask"][:, :min(W, t)], it.kind[1] * it.kind[2])
+                if hi is not None:
+                    r["head_idx"] = hi
             w, grp = layout.take_rows(weight[s], it.rows), layout.take_rows(group[s], it.rows, -1)
             grp_id, mix = _item_group(grp, np)
             r, w_, grp_, cot = put((r, w, grp, w / den[s]))
