@@ -16,3 +16,19 @@ def matmul_peak(n: int = 2048, reps: int = 5) -> float:
     for _ in range(reps):
         f(a).block_until_ready()
     return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def time_steps(step, state, base, batch, reps: int):
+    """One untimed call of a train step (compiling), then `reps` timed calls on the same batch.
+    Returns (state, first-call seconds, first-call loss, [seconds per timed call])."""
+    t = time.perf_counter()
+    state, met = step(state, base, batch)
+    first_loss = float(met["loss"])  # blocks until the step is done
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        state, met = step(state, base, batch)
+        float(met["loss"])
+        times.append(time.perf_counter() - t)
+    return state, first, first_loss, times

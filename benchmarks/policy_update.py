@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+
+from common import time_steps
 
 
 def parse_args(argv=None):
@@ -81,16 +82,7 @@ def main(argv=None):
                                group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                                role_slot=[role_to_slot[r] for r in roles])
         state = init_state(init_trainable(spec, cfg, base, jax.random.PRNGKey(0)), tx)
-        t = time.perf_counter()
-        state, met = step(state, base, batch)
-        first = float(met["loss"])
-        warm = time.perf_counter() - t
-        times = []
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            state, met = step(state, base, batch)
-            float(met["loss"])
-            times.append(time.perf_counter() - t)
+        state, warm, first, times = time_steps(step, state, base, batch, args.reps)
         result[name] = min(times)
         S, R, T = batch.tokens.shape
         print(f"{name}: step {min(times):.2f}s (first call incl. compile {warm:.1f}s); arrays [S={S}, R={R}, T={T}]; "

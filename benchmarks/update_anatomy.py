@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from common import matmul_peak
+from common import matmul_peak, time_steps
 from train_step import ROLE_NAMES, Row, start_lora, step_flops
 
 
@@ -182,16 +182,7 @@ def main(argv=None) -> None:
         batch = jax.tree_util.tree_map(jnp.asarray, batch)
         step = make_train_step(cfg, spec, ucfg, tx, **tables)
         state = init_state(jax.tree_util.tree_map(jnp.array, trainable0), tx)
-        t = time.perf_counter()
-        state, met = step(state, base, batch)
-        float(met["loss"])
-        first = time.perf_counter() - t
-        times = []
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            state, met = step(state, base, batch)
-            float(met["loss"])
-            times.append(time.perf_counter() - t)
+        state, first, _, times = time_steps(step, state, base, batch, args.reps)
         med = statistics.median(times)
         floor = matmul_floor(cfg, spec, shapes) if name == "peers" or name.startswith(("mb", "budget")) else None
         results.append((name, what, len(plan), sum(p for p, _ in shapes), exe, med, first, floor))
