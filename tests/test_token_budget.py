@@ -152,6 +152,27 @@ def test_a_token_budget_gives_the_fixed_micro_batches_step(r2s, packing, share):
     _assert_tree_close(budget[0].trainable, fixed[0].trainable, atol=1e-6, rtol=1e-5)
 
 
+def test_packed_items_hold_more_rows_than_the_head_window_allows_and_give_the_same_step():
+    """Packed items run the LM head over their completion tokens only (update.scored_positions), so under a
+    budget they fill with short rows past budget // window (the cap a head over every row's window needs): the
+    step still equals the fixed micro-batches'."""
+    rng = np.random.RandomState(5)
+    row = lambda role, p, c: FakeRow(list(rng.randint(1, 64, p)), list(rng.randint(1, 64, c)),
+                                     list(-rng.uniform(0.5, 4.0, c)), role, 0)
+    rows = [row("gen", 6, 8), row("judge", 10, 5)] + [row("judge", 2, int(rng.randint(1, 3))) for _ in range(14)]
+    rows_advs = (rows, list(rng.randn(len(rows))))
+    r2s, budget = {"gen": 0, "judge": 0}, 64
+    fixed = _budget_step(r2s, budget=0, packing=True, rows=rows_advs)
+    new = _budget_step(r2s, budget=budget, packing=True, rows=rows_advs)
+    kw = dict(micro_batch=4, length_buckets=1, packing=True, max_tokens=budget)
+    most = max(len(_live(it)) for it in layout.plan_items(new[2], **kw, head_over_rows=False))
+    capped = max(len(_live(it)) for it in layout.plan_items(new[2], **kw))
+    assert most > capped, (most, capped)  # the head over rows x window caps the rows at budget // window
+    for k in ("loss", "loss_per_slot", "role_grad_norm", "slot_grad_norm"):
+        np.testing.assert_allclose(np.asarray(new[1][k]), np.asarray(fixed[1][k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    _assert_tree_close(new[0].trainable, fixed[0].trainable, atol=1e-6, rtol=1e-5)
+
+
 def test_compiled_item_shapes_stay_few_across_batches():
     """Batches of other row counts and lengths reuse the budget's item programs: one per (row count, window) on
     the grid, at most budget // window rows for each window."""

@@ -211,11 +211,11 @@ def test_share_units_and_their_packing_by_hand():
     for i, r in enumerate(rows):
         tokens[i, :len(r)] = r
     lens = np.array([len(r) for r in rows])
-    # The longest rows (1 and 4, 9 tokens) lead in order: row 1 shares 4 tokens with rows 0, 2 and 4 (3 x 4
-    # = 12 saved). With at least 5 shared, row 1 stays alone and row 4 leads rows 0 and 2 over 6 tokens.
-    units = share_units(tokens, lens, 3)
-    assert units == [([1, 0, 2, 4], 4), ([3], 0)]
+    # Rows 0, 2 and 4 share 6 tokens (2 x 6 = 12 saved); row 1 shares only 4 with them: one unit of all four
+    # would save 3 x 4 = 12 too, and ties go to the smaller units. Units come longest first (rows 1 and 4: 9).
+    assert share_units(tokens, lens, 3) == [([1], 0), ([4, 0, 2], 6), ([3], 0)]
     assert share_units(tokens, lens, 5) == [([1], 0), ([4, 0, 2], 6), ([3], 0)]
+    assert share_units(tokens, lens, 7) == [([1], 0), ([4], 0), ([0], 0), ([2], 0), ([3], 0)]
     where, used = pack_units(share_units(tokens, lens, 5), lens, 16)
     # unit (4, 0, 2) over one prefix copy: 6 + 3 + 2 + 1 = 12 tokens in sequence 0; row 1 (9) in sequence 1;
     # row 3 (3) fits after the unit in sequence 0.
@@ -225,6 +225,27 @@ def test_share_units_and_their_packing_by_hand():
     # a unit longer than a sequence splits, each part with its own prefix copy
     where, used = pack_units([([4, 0, 2], 6)], lens, 10)  # 6 + 3 + 2 + 1 = 12 > 10: row 4 alone, 0 and 2 share
     assert used == 2 and where[4] == (0, 0, 0, 0) and where[0] == (1, 0, 0, 6) and where[2] == (1, 0, 2, 6)
+
+
+def test_share_units_keeps_groups_under_a_common_template_head():
+    """A GRPO batch: two groups of three completions, each group over its own 6-token prompt, every prompt
+    after the same 3-token template head. One unit over the head would save 5 x 3 = 15 tokens; a unit per
+    group saves 2 x 2 x 6 = 24, and within a group two completions that share one more token do not split it
+    (2 x 6 = 12 > 1 x 7 + 0)."""
+    head, pa, pb = [1, 2, 3], [1, 2, 3, 10, 11, 12], [1, 2, 3, 20, 21, 22]
+    rows = [pa + [30, 31], pa + [30, 32, 33], pa + [40], pb + [50, 51, 52, 53], pb + [60], pb + [61, 62]]
+    tokens = np.zeros((6, 10), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    lens = np.array([len(r) for r in rows])
+    assert all(r[:3] == head for r in rows)
+    units = share_units(tokens, lens, 3)
+    assert units == [([3, 5, 4], 6), ([1, 0, 2], 6)]
+    saved = sum((len(u) - 1) * c for u, c in units)
+    assert saved == 24
+    # above the prompts' length only rows 0 and 1 (7 tokens in common) share; above that nothing does
+    assert [u for u in share_units(tokens, lens, 7) if u[1]] == [([1, 0], 7)]
+    assert all(c == 0 for _, c in share_units(tokens, lens, 8))
 
 
 def test_shared_prefix_layout_gives_each_rows_outputs_and_never_crosses_rows():

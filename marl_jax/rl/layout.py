@@ -81,24 +81,41 @@ def _common_prefix(a: np.ndarray, b: np.ndarray, n: int) -> int:
 
 def share_units(tokens: np.ndarray, lengths, minimum: int) -> list[tuple[list[int], int]]:
     """Host-side: rows grouped into units that share a prefix of >= `minimum` tokens, as (rows, shared
-    length); rows alone have shared length 0. Longest rows lead; a leader takes the rows that maximise
-    the tokens saved, (members - 1) x their common prefix with it."""
-    left = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: -int(lengths[i]))
-    units = []
-    while left:
-        lead, rest = left[0], left[1:]
-        lcp = sorted(((_common_prefix(tokens[lead], tokens[j], int(min(lengths[lead], lengths[j]))), j) for j in rest),
-                     key=lambda cj: (-cj[0], cj[1]))
-        best, k = 0, 0
-        for m in range(1, len(lcp) + 1):
-            c = lcp[m - 1][0]
-            if c >= minimum and m * c > best:
-                best, k = m * c, m
-        members = [lead] + [j for _, j in lcp[:k]]
-        c = lcp[k - 1][0] if k else 0
-        units.append((members, c))
-        left = [i for i in left if i not in members]
-    return units
+    length); rows alone have shared length 0. The grouping saves the most tokens, sum of (members - 1) x
+    shared length, over the rows' prefix tree: at each branch point either every row below shares the
+    branch's prefix, or each subtree is grouped on its own (ties go to the subtrees: smaller units pack
+    more freely). A greedy leader would not do: in a GRPO batch every prompt shares a short chat-template
+    head, and one unit over it would take the rows whose group shares the whole prompt. Units and their
+    rows come longest first."""
+    live = [i for i in range(len(lengths)) if lengths[i] > 0]
+    if not live:
+        return []
+    n_of = lambda i: int(lengths[i])
+    order = sorted(live, key=lambda i: tuple(tokens[i, :n_of(i)].tolist()))
+    # lcp[k]: common prefix of order[k] and order[k + 1]; a range's common prefix is its minimum
+    lcp = [_common_prefix(tokens[a], tokens[b], min(n_of(a), n_of(b))) for a, b in zip(order, order[1:])]
+
+    # Bottom-up over the tree of common-prefix intervals (a stack, no recursion: prefix chains can be deep).
+    stack, node = [], None  # open intervals [shared length, first row, tokens saved, units]; node: [lo, saved, units]
+    for k in range(len(order)):
+        node = [k, 0, [([order[k]], 0)]]
+        h = lcp[k] if k < len(lcp) else -1
+        while stack and stack[-1][0] > h:  # intervals that end at row k: close them
+            c, lo, saved, units = stack.pop()
+            saved, units = saved + node[1], units + node[2]
+            whole = (k - lo) * c
+            node = [lo, whole, [(order[lo:k + 1], c)]] if c >= minimum and whole > saved else [lo, saved, units]
+        if h < 0:
+            break
+        if stack and stack[-1][0] == h:
+            stack[-1][2] += node[1]
+            stack[-1][3] += node[2]
+        else:
+            stack.append([h, node[0], node[1], node[2]])
+
+    longest = lambda rows: sorted(rows, key=lambda i: (-n_of(i), i))
+    units = [(longest(rows), c) for rows, c in node[2]]
+    return sorted(units, key=lambda u: (-n_of(u[0][0]), u[0][0]))
 
 
 def _unit_parts(rows, c: int, lengths, capacity: int) -> list[tuple[list[int], int, int]]:
@@ -263,13 +280,14 @@ def _budget_windows(lens, budget: int, ladder, grid: int) -> list[tuple[list[int
     return out
 
 
-def _budget_packs(units, lens, budget: int, ladder, W: int, grid: int):
+def _budget_packs(units, lens, budget: int, ladder, W: int, grid: int, head_over_rows: bool = True):
     """Units (sorted longest first) laid into micro-batches of packed sequences, at most `budget` positions
     each: budget // window sequences of one window, units taken first fit in order (one that no longer fits
     waits for the next micro-batch). The window holds the longest row left and, within the budget, the
     largest unit left (its prefix laid once); a unit longer than the window is split first, each part with
-    its own copy of the prefix. A micro-batch also stops at `budget` scored positions (rows x min(W, window):
-    the LM head runs on each row's completion window). Each as (rows, where (row -> sequence, prefix offset,
+    its own copy of the prefix. With head_over_rows a micro-batch also stops at `budget` scored positions
+    (rows x min(W, window): the LM head runs on each row's completion window; without, the head runs on the
+    completion tokens alone, which its packed positions already bound). Each as (rows, where (row -> sequence, prefix offset,
     offset, shared), sequences used, window); only a row whose window exceeds the budget makes a micro-batch
     over it (alone, with what fits beside it in its sequence)."""
     ladder = np.asarray(ladder)
@@ -286,7 +304,8 @@ def _budget_packs(units, lens, budget: int, ladder, W: int, grid: int):
             rows, c, _ = part
             f, wh = list(fill), {}
             _first_fit(part, lens, t, f, wh)
-            if not taken or (len(f) <= cap and grid_size(len(taken) + len(rows), grid) * min(W, t) <= budget):
+            head_ok = not head_over_rows or grid_size(len(taken) + len(rows), grid) * min(W, t) <= budget
+            if not taken or (len(f) <= cap and head_ok):
                 fill, taken = f, taken + list(rows)
                 where.update(wh)
             else:
@@ -297,7 +316,7 @@ def _budget_packs(units, lens, budget: int, ladder, W: int, grid: int):
 
 
 def budget_items(length, weight, group, *, budget: int, T: int, W: int, grid: int = 2, by_group: bool = True,
-                 packing: bool = False, tokens=None, share_prefix: int = 0) -> list[Item]:
+                 packing: bool = False, tokens=None, share_prefix: int = 0, head_over_rows: bool = True) -> list[Item]:
     """Items holding as many rows as a token budget allows (verl's use_dynamic_bsz): per slot, and with
     by_group per diagnostic group, its rows (weight > 0) longest first are cut into micro-batches of at most
     `budget` computed positions: rows x window unpacked, sequences x window packed (see _budget_windows,
@@ -308,7 +327,7 @@ def budget_items(length, weight, group, *, budget: int, T: int, W: int, grid: in
     A row whose window is longer than the budget gets a micro-batch of its own, over that window: its
     values are exact and the rollout already held it, so it is run rather than refused.
     length: [S, R] tokens per row (prompt + completion); weight, group: [S, R]; tokens [S, R, T] (only with
-    share_prefix); W: the batch's completion window."""
+    share_prefix); W: the batch's completion window; head_over_rows: see _budget_packs."""
     length, weight, group = np.asarray(length), np.asarray(weight), np.asarray(group)
     tokens = np.asarray(tokens) if share_prefix else None
     ladder = length_ladder(T, T, grid)
@@ -327,7 +346,7 @@ def budget_items(length, weight, group, *, budget: int, T: int, W: int, grid: in
                 continue
             units = (share_units(tokens[s, idx], lens, share_prefix) if share_prefix
                      else [([i], 0) for i in range(len(idx))])
-            for rows, where, used, t in _budget_packs(units, lens, budget, pack_ladder, W, grid):
+            for rows, where, used, t in _budget_packs(units, lens, budget, pack_ladder, W, grid, head_over_rows):
                 p = min(grid_size(used, grid), max(1, budget // t))  # used is 1 when a row's window is over budget
                 n = grid_size(len(rows), grid)
                 pack = {k: np.zeros(n, np.int32) for k in ("pack_seq", "pack_pre", "pack_off", "pack_share")}
@@ -341,7 +360,8 @@ def budget_items(length, weight, group, *, budget: int, T: int, W: int, grid: in
 
 
 def plan_items(batch: TrainBatch, *, micro_batch: int, length_buckets: int, grid: int = 2, packing: bool = False,
-               share_prefix: int = 0, max_tokens: int = 0, by_group: bool = True) -> list[Item]:
+               share_prefix: int = 0, max_tokens: int = 0, by_group: bool = True,
+               head_over_rows: bool = True) -> list[Item]:
     """Host-side: the work items of a batch in the order the update runs them: fixed micro-batches of
     micro_batch rows (max_tokens 0; a packed layout needs the batch packed, pack_batch) or micro-batches
     of a token budget (budget_items)."""
@@ -357,7 +377,7 @@ def plan_items(batch: TrainBatch, *, micro_batch: int, length_buckets: int, grid
         return budget_items(np.where(weight > 0, T, 0) if length is None else length, weight, np.asarray(batch.group),
                             budget=max_tokens, T=T, W=batch.targets.shape[2], grid=grid, by_group=by_group,
                             packing=packing, tokens=batch.tokens if share_prefix else None,
-                            share_prefix=share_prefix)
+                            share_prefix=share_prefix, head_over_rows=head_over_rows)
     mb = min(micro_batch, R)
     windows = (item_windows(length, mb, T, length_buckets, grid) if length is not None
                else np.full((S, R // mb), T))

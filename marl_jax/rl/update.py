@@ -330,6 +330,8 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
     g_role = jnp.asarray(group_role, jnp.int32)
     k_slot = jnp.asarray(role_slot, jnp.int32)
     budget = ucfg.max_tokens_per_micro_batch
+    # Packed items of the item-by-item step run the LM head over their completion tokens only (scored_positions)
+    head_on_scored = ucfg.packing and mesh is None and not ucfg.head_chunk
 
     # ---- 1. the host: the batch's rows and its work items ----
     def pack(batch: TrainBatch) -> TrainBatch:
@@ -361,7 +363,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         """The batch's work items in the order they run (layout.plan_items)."""
         return layout.plan_items(batch, micro_batch=ucfg.micro_batch, length_buckets=ucfg.length_buckets,
                                  grid=ucfg.length_grid, packing=ucfg.packing, share_prefix=ucfg.share_prefix,
-                                 max_tokens=budget, by_group=ucfg.diagnostics)
+                                 max_tokens=budget, by_group=ucfg.diagnostics, head_over_rows=not head_on_scored)
 
     # ---- 2. one item: a forward pass, every row's loss terms, one VJP ----
     def terms_over(t, T, W, mb):
@@ -522,7 +524,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
                  for k, v in rows.items()}
             if it.pack is not None:
                 r.update(it.pack)
-            if it.kind[0] == "pack" and mesh is None and not ucfg.head_chunk:
+            if it.kind[0] == "pack" and head_on_scored:
                 hi = scored_positions(r["loss_mask"][:, :min(W, t)], it.kind[1] * it.kind[2])
                 if hi is not None:
                     r["head_idx"] = hi
