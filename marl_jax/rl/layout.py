@@ -348,7 +348,8 @@ def budget_items(length, weight, group, *, budget: int, T: int, W: int, grid: in
                      else [([i], 0) for i in range(len(idx))])
             for rows, where, used, t in _budget_packs(units, lens, budget, pack_ladder, W, grid, head_over_rows):
                 p = min(grid_size(used, grid), max(1, budget // t))  # used is 1 when a row's window is over budget
-                n = grid_size(len(rows), grid)
+                # rows cost little when the head skips their windows: powers of two, fewer programs
+                n = grid_size(len(rows), grid if head_over_rows else 1)
                 pack = {k: np.zeros(n, np.int32) for k in ("pack_seq", "pack_pre", "pack_off", "pack_share")}
                 for a, i in enumerate(rows):
                     for k, v in zip(("pack_seq", "pack_pre", "pack_off", "pack_share"), where[i]):

@@ -222,7 +222,12 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
             if "pack_share" in rows:  # positions inside a shared prefix are read from its one copy
                 pos = jnp.where(idx < rows["pack_share"][:, None], rows["pack_pre"][:, None] + idx, pos)
             pos = jnp.minimum(pos, h.shape[1] - 1)
-            h = h[rows["pack_seq"][:, None], pos]
+            seq = jnp.broadcast_to(rows["pack_seq"][:, None], pos.shape)
+            if "head_idx" in rows:  # only the scored positions' hidden states, not every row's window
+                at = jnp.minimum(rows["head_idx"], N * W - 1)
+                h = h[seq.reshape(-1)[at], pos.reshape(-1)[at]][None]
+            else:
+                h = h[seq, pos]
         else:
             h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
         head = lambda x: decoder.unembed(p, cfg, x, mesh=mesh, rules=rules)
@@ -230,7 +235,7 @@ def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one
             hi = rows["head_idx"]
             at = jnp.minimum(hi, N * W - 1)
             c, _ = head_chunk(1, hi.shape[0], cfg.vocab_size)
-            lp, ent = L.head_logprobs(head, h.reshape(N * W, -1)[at][None], rows["targets"].reshape(N * W)[at][None],
+            lp, ent = L.head_logprobs(head, h, rows["targets"].reshape(N * W)[at][None],
                                       entropy=entropy, chunk=c)
             back = lambda x: jnp.zeros((N * W,), x.dtype).at[hi].set(x[0], mode="drop").reshape(N, W)
             return back(lp), (None if ent is None else back(ent))
