@@ -376,16 +376,12 @@ COMPILE_S = [0.0]  # seconds JAX spent compiling so far (count_compiles)
 
 
 def release_memory() -> None:
-    """Between steps, outside the timings: collect garbage and hand glibc's free heap pages back to the OS
-    (one process holds both sides; what one frees should not stay pinned in the heap while the other runs)."""
-    import ctypes
+    """Between steps, outside the timings: collect garbage. No malloc_trim: pages handed back to the OS here are
+    faulted in again inside the next step's timing (it cost marl_jax's update 3-4 s a step on the short
+    workload), and neither side's own training loop trims; freed heap memory is reused by either side."""
     import gc
 
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def count_compiles() -> None:
