@@ -152,3 +152,56 @@ def test_kernel_under_a_mesh():
     assert run.returncode == 0, run.stderr[-2000:]
     diff = float(run.stdout.split("DIFF")[-1])
     assert diff < 1e-5, diff
+
+
+def _count_kernel_calls(monkeypatch):
+    """Counts the decode programs traced through the kernel (paged_decode is called at trace time)."""
+    calls = []
+    real = A.paged_decode
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(A, "paged_decode", spy)
+    return calls
+
+
+def test_sampler_decodes_through_the_kernel_under_preemption(monkeypatch):
+    """The sampler's paged decode over a bfloat16 pool (float32 compute, kv_dtype=bfloat16) with
+    model.attention=splash (the TPU choice, here interpreted): rows hold their tokens compacted (token p in
+    slot p), so every decode step goes through the kernel. 10 prompts in groups (shared prompt blocks), a KV
+    budget that preempts rows several times: the greedy tokens equal those of the gather path (the same pool,
+    budget and prefill, decode gathering the rows' blocks) and of an unbudgeted kernel run, log-probs to 1e-4,
+    and the pool's bookkeeping holds at every host step."""
+    from marl_jax.generate.sampler import Sampler, SamplingParams
+    cfg = _tiny("splash")
+    params = decoder.init_params(cfg, jax.random.PRNGKey(7))
+    rng = np.random.default_rng(5)
+    base = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (3, 9, 17, 30, 33)]
+    prompts = [p for p in base for _ in range(2)]
+    sp = SamplingParams(40, temperature=0.0)
+    block = 2 * cfg.num_layers * BLK * HKV * HD * 2  # one bfloat16 block, keys and values, every layer
+
+    def run(budget_blocks):
+        s = Sampler(cfg, kv_dtype=jnp.bfloat16, max_batch=8, kv_block=BLK, paged=True, prefix_cache_tokens=0,
+                    kv_budget_bytes=budget_blocks * block, check_blocks=True)
+        with pltpu.force_tpu_interpret_mode():
+            out = s.generate(params, prompts, jax.random.PRNGKey(0), sp)
+        return out, s.stats
+
+    calls = _count_kernel_calls(monkeypatch)
+    kernel, st = run(14)
+    assert calls, "the decode steps did not go through the paged-attention kernel"
+    assert st["preemptions"] >= 3 and st["resumed_rows"] > 0, st
+    free, st_f = run(0)
+    assert st_f["preemptions"] == 0
+    traced = len(calls)
+    monkeypatch.setattr(A, "_paged_can", lambda *a, **k: False)  # the same run, decode gathering blocks
+    gather, st_g = run(14)
+    assert len(calls) == traced and st_g["preemptions"] == st["preemptions"]
+    for other in (gather, free):
+        np.testing.assert_array_equal(kernel.tokens, other.tokens)
+        np.testing.assert_array_equal(kernel.lengths, other.lengths)
+        np.testing.assert_allclose(kernel.logprobs, other.logprobs, atol=1e-4)
+

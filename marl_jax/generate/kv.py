@@ -7,8 +7,10 @@ prompt bucket and Tn the new-token bucket, whatever the number of rows in the ca
 Paged (`paged=True`): keys and values live in a pool of `kv_block`-slot blocks (PagedCache); a row holds a
 block only where it has tokens: the blocks its prompt fills when it is admitted, then one more each time its
 completion enters a new block (popped from a free stack inside the jitted loop), all returned when it is
-harvested. Rows with the same prompt (a task's episodes) share the prompt's blocks that lie wholly before the
-first completion slot, counted per row and returned with the last one. Without a budget the pool grows (in
+harvested. A row's token at position p sits in its slot p: its valid slots are a prefix, with no padding, which
+is what jax's Pallas paged-attention kernel reads (TPU decode). Rows with the same prompt (a task's episodes)
+share the prompt's blocks that lie wholly before its first completion slot, counted per row and returned with
+the last one. Without a budget the pool grows (in
 1.5x steps, so few shapes compile) when the free blocks could run out on the next step, never beyond the dense
 cache's B x (P + Tn) slots. Attention gathers each row's blocks through its block table; compaction moves
 block-table rows, not keys and values. Under a mesh the pool has a part per row shard (the devices rows are
@@ -153,7 +155,7 @@ class KVMemory:
         self._refs: dict[tuple, int] = {}
         self._shared: dict[tuple, dict[int, int]] = {}
         self._block_key: dict[tuple, tuple] = {}
-        cache = decoder.init_paged(self.cfg, blocks, blk, B, T, D, self.dtype)
+        cache = decoder.init_paged(self.cfg, blocks, blk, B, T, D, self.kv_dtype)
         z = lambda: jnp.zeros(B, jnp.int32)  # distinct buffers: the state is donated
         return DecodeState(cache, z(), z(), jnp.ones(B, jnp.int32), jnp.zeros(B, bool),
                            jnp.full((B, Tn), self.pad_id, jnp.int32), jnp.zeros((B, Tn), jnp.float32),
@@ -164,7 +166,7 @@ class KVMemory:
         c = self.cfg
         m = 1 if self.mesh is None else self.mesh.shape.get("model", 1)
         heads = c.num_kv_heads // m if c.num_kv_heads % m == 0 else c.num_kv_heads
-        return 2 * c.num_layers * self.kv_block * heads * c.head_dim * jnp.dtype(self.dtype).itemsize
+        return 2 * c.num_layers * self.kv_block * heads * c.head_dim * jnp.dtype(self.kv_dtype).itemsize
 
     def _count_kv(self, state: DecodeState):
         """Peak KV bytes: the decode cache as allocated (the pool, when paged) and, paged, the blocks in use."""
@@ -177,12 +179,13 @@ class KVMemory:
                                                    (c.k.nbytes + c.v.nbytes) * used // (D * N))
 
     @staticmethod
-    def _blocks_wanted(state: DecodeState, P: int) -> np.ndarray:
-        """Blocks the next decode step takes, per shard: live rows whose next slot is in a block they do not hold."""
+    def _blocks_wanted(state: DecodeState) -> np.ndarray:
+        """Blocks the next decode step takes, per shard: live rows whose next slot (= the position of their
+        last token) is in a block they do not hold."""
         c = state.cache
-        step, active, table = to_host(state.step), to_host(state.active), to_host(c.table)
-        j = np.minimum((P + step - 1) // c.block, table.shape[1] - 1)
-        need = active & (table[np.arange(len(step)), j] == 0)
+        pos, active, table = to_host(state.pos), to_host(state.active), to_host(c.table)
+        j = np.minimum(pos // c.block, table.shape[1] - 1)
+        need = active & (table[np.arange(len(pos)), j] == 0)
         return need.reshape(c.shards, -1).sum(1)
 
     @staticmethod
@@ -218,25 +221,22 @@ class KVMemory:
         return state._replace(cache=self._with_free(c._replace(k=k, v=v, free=jnp.zeros((c.shards, newN), jnp.int32)),
                                                     lists))
 
-    def _spans(self, p, cached: int, P: int, M: int, g: int = 0) -> np.ndarray:
-        """Blocks a row's cache fills when it is admitted: slots [0, cached), the rest of its prompt right-aligned
-        to P and, for a row preempted after g tokens, its g - 1 tokens from slot P on."""
-        blk = self.kv_block
-        filled = np.zeros(M * blk, bool)
-        filled[:cached] = True
-        filled[P - (len(p) - cached):P + max(g - 1, 0)] = True
-        return np.flatnonzero(filled.reshape(M, blk).any(1))
+    def _spans(self, p, M: int, g: int = 0) -> np.ndarray:
+        """Blocks a row's cache fills when it is admitted: its prompt's slots [0, len(p)) and, for a row preempted
+        after g tokens, its g - 1 tokens after them."""
+        n = len(p) + max(g - 1, 0)
+        return np.arange(min(-(-n // self.kv_block), M))
 
-    def _admission_need(self, shard, prompts, spans, P: int, D: int) -> np.ndarray:
+    def _admission_need(self, shard, prompts, spans, D: int) -> np.ndarray:
         """Fresh blocks each shard gives rows admitted in this order ([n, D], cumulative). Rows with the same
-        prompt in the same shard (a task's episodes) share its blocks that lie wholly before slot P, which no
-        row writes again; the block holding slot P, where completions start, is each row's own."""
-        whole = P // self.kv_block
+        prompt in the same shard (a task's episodes) share its blocks that lie wholly before its first
+        completion slot len(p), which no row writes again; the block holding that slot is each row's own."""
         need = np.zeros((len(prompts), D), np.int64)
         acc = np.zeros(D, np.int64)
         fresh = set()
         for i, (d, p, js) in enumerate(zip(shard, prompts, spans)):
             key_p = (int(d), tuple(p))
+            whole = len(p) // self.kv_block
             for j in js:
                 if j >= whole:
                     acc[d] += 1

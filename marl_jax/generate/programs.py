@@ -186,11 +186,11 @@ class Programs:
             params, lo = self._select(params, trainable, slot)
             run = functools.partial(decoder.forward_cached, params, cfg, lora=lo, lora_scale=self.lora_scale,
                                     dtype=self.dtype, last_only=True, mesh=self.mesh, rules=self.rules)
-            cache = decoder.init_cache(cfg, Bu, cache_len, self.dtype)
+            cache = decoder.init_cache(cfg, Bu, cache_len, self.kv_dtype)
             chunked = functools.partial(prefill_chunks, run, chunk=self.prefill_chunk)
             if C:
                 _, one = chunked(prefix[None], jnp.arange(C)[None], jnp.ones((1, C), bool),
-                                 decoder.init_cache(cfg, 1, cache_len, self.dtype), 0, window=C)
+                                 decoder.init_cache(cfg, 1, cache_len, self.kv_dtype), 0, window=C)
                 cache = jax.tree_util.tree_map(lambda x, full: jnp.broadcast_to(x, full.shape), one, cache)
             if pool is not None:
                 pk, pv, src = pool
@@ -242,22 +242,27 @@ class Programs:
             row's next cache slot leaves the attention window. Each row counts its
             own tokens (`step` [B]), so rows that joined later decode beside older ones.
 
-            Paged cache: a live row entering a block it does not hold yet pops one from its shard's free
-            stack; the loop also exits when a stack cannot serve the next step (the host grows the pool)."""
+            Paged cache: a row's token at position p sits in slot p (its valid slots are a prefix, what the
+            TPU paged-attention kernel reads); a live row entering a block it does not hold yet pops one from
+            its shard's free stack; the loop also exits when a stack cannot serve the next step (the host
+            grows the pool)."""
             params, lo = self._select(params, trainable, slot)
             B, Tn = state.out_tokens.shape
             rows = jnp.arange(B)
             paged = isinstance(state.cache, PagedCache)
 
+            def slot(s):  # the cache slot each row's next token goes to (paged rows keep slot = position)
+                return s.pos if paged else prompt_len + s.step - 1
+
             def wanted(s):  # rows whose next slot lies in a block they do not hold yet
-                j = (prompt_len + s.step - 1) // s.cache.block
+                j = slot(s) // s.cache.block
                 cur = s.cache.table[rows, j]
                 return j, cur, s.active & (cur == 0)
 
             def cond(carry):
                 s, it = carry
                 n = jnp.sum(s.active)
-                fits = jnp.all(~s.active | (prompt_len + s.step - 1 < window))  # next slots inside the window
+                fits = jnp.all(~s.active | (slot(s) < window))  # next slots inside the window
                 if paged:
                     fits &= jnp.all(s.cache.top >= wanted(s)[2].reshape(s.cache.shards, -1).sum(1))
                 return (n > 0) & (n > min_active) & (it < max_steps) & fits
@@ -275,10 +280,9 @@ class Programs:
             def body(carry):
                 s, it = carry
                 logits, cache = decoder.forward_cached(
-                    params, cfg, s.token[:, None], s.pos[:, None], allocate(s) if paged else s.cache,
-                    prompt_len + s.step - 1,
+                    params, cfg, s.token[:, None], s.pos[:, None], allocate(s) if paged else s.cache, slot(s),
                     s.active[:, None], lora=lo, lora_scale=self.lora_scale, dtype=self.dtype, window=window,
-                    mesh=self.mesh, rules=self.rules)
+                    mesh=self.mesh, rules=self.rules, right_padded=paged)
                 tok, lp = sample_tokens(logits[:, 0], _row_keys(key, s.row_id, s.step), sp)
                 tok = jnp.where(s.active, tok, self.pad_id)
                 lp = jnp.where(s.active, lp, 0.0)
@@ -323,14 +327,19 @@ class Programs:
     def _paged_insert_fn(self):
         """Rows of a freshly prefilled dense state (prompt slots only) into rows `dest` of the paged state
         (dest = B: dropped), their prompt keys and values into the blocks `write` names in their shard `shard`
-        (a shared block that earlier rows filled and still read is not written again)."""
+        (a shared block that earlier rows filled and still read is not written again).
+
+        The dense prefill lays a row out with holes (a shared or cached prefix, then the rest left-padded);
+        the pool holds it compacted: the n-th valid slot goes to slot n, so a row's token at position p is in
+        slot p and its valid slots are a prefix (the paged-attention kernel's model). Padding slots write the
+        null block."""
         if "paged_insert" not in self._fns:
             def insert(state: DecodeState, new: DecodeState, dest, table, write, shard):
                 c, nc = state.cache, new.cache
                 Bg, P = nc.valid.shape
-                j = jnp.arange(P)
-                blocks = write[:, j // c.block]  # [Bg, P]; slots without a block write the null block
-                off = jnp.broadcast_to(j % c.block, (Bg, P))
+                t = jnp.where(nc.valid, jnp.cumsum(nc.valid, axis=1) - 1, 0)  # [Bg, P] each slot's compact slot
+                blocks = jnp.where(nc.valid, jnp.take_along_axis(write, t // c.block, axis=1), 0)
+                off = t % c.block
 
                 def put_kv(pool, x):  # x [L, Bg, P, H, hd]; each shard writes its own rows, the rest its null block
                     return jax.vmap(lambda p, d: p.at[:, jnp.where(shard[:, None] == d, blocks, 0), off].set(x),
@@ -338,7 +347,7 @@ class Programs:
 
                 k = put_kv(c.k, nc.k.transpose(0, 1, 4, 2, 3).astype(c.k.dtype))
                 v = put_kv(c.v, nc.v.transpose(0, 1, 3, 2, 4).astype(c.v.dtype))
-                valid = jnp.zeros((Bg, c.valid.shape[1]), bool).at[:, :P].set(nc.valid)
+                valid = jnp.arange(c.valid.shape[1])[None] < nc.valid.sum(1)[:, None]
                 put = lambda x, y: x.at[dest].set(y, mode="drop")
                 cache = c._replace(k=k, v=v, table=put(c.table, table), valid=put(c.valid, valid))
                 return self._constrain(DecodeState(cache, *(put(a, b) for a, b in zip(state[1:], new[1:]))))

@@ -80,13 +80,16 @@ class Sampler(Scheduler, KVMemory, Programs):
                  rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True,
                  paged: bool = False, kv_block: int = 16, compaction_buckets: int = 16,
                  compaction_patience: int = 64, prefill_chunk: int = PREFILL_CHUNK, kv_budget_bytes: int = 0,
-                 max_batched_tokens: int = 0, check_blocks: bool = False):
+                 max_batched_tokens: int = 0, check_blocks: bool = False, kv_dtype=None):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
         self.spec = spec or PolicySpec()
         self.lora_scale = self.spec.scale
         self.dtype = dtype
+        # Keys and values are stored in kv_dtype (default: the compute dtype) and read back in the compute dtype:
+        # bfloat16 halves the KV cache under float32 compute, and the TPU paged-attention kernel needs it.
+        self.kv_dtype = jnp.dtype(kv_dtype or dtype)
         self.max_batch = max_batch
         self.pad_id = pad_id
         self.mesh = mesh
@@ -119,7 +122,7 @@ class Sampler(Scheduler, KVMemory, Programs):
         self.min_batch = max(min_batch, self.data_size)
         self.stats: dict[str, Any] = {}
         self._fns: dict[Any, Any] = {}
-        self.prefix_cache = (PrefixCache(cfg, -(-prefix_cache_tokens // prefix_block), prefix_block, dtype)
+        self.prefix_cache = (PrefixCache(cfg, -(-prefix_cache_tokens // prefix_block), prefix_block, self.kv_dtype)
                              if prefix_cache_tokens > 0 else None)
 
     def generate(self, params, prompts: Sequence[Sequence[int]], key: jax.Array, sp: SamplingParams, *,
@@ -267,11 +270,10 @@ class Sampler(Scheduler, KVMemory, Programs):
         c = state.cache
         B, M, D = state.active.shape[0], c.table.shape[1], c.shards
         shard = np.asarray(dest) // (B // D)
-        spans = [self._spans(p, self._layout[int(r)][0], P, M, g) for r, p, g in zip(row_ids, prompts, glen)]
-        need = self._admission_need(shard, prompts, spans, P, D)[-1]
-        whole = P // blk
+        spans = [self._spans(p, M, g) for p, g in zip(prompts, glen)]
+        need = self._admission_need(shard, prompts, spans, D)[-1]
         fresh = {(int(d), tuple(p), int(j)) for d, p, js in zip(shard, prompts, spans) for j in js
-                 if j < whole and j not in self._shared.get((int(d), tuple(p)), {})}
+                 if j < len(p) // blk and j not in self._shared.get((int(d), tuple(p)), {})}
         state = self._ensure_blocks(state, need)
         c = state.cache
         lists = self._free_lists(c)
@@ -282,7 +284,7 @@ class Sampler(Scheduler, KVMemory, Programs):
             key_p = (d, tuple(p))
             mine = self._shared.setdefault(key_p, {})
             for j in js:
-                if j >= whole:
+                if j >= len(p) // blk:  # the block where its completion starts, and later ones: the row's own
                     table[u, j] = write[u, j] = lists[d].pop()
                     continue
                 if j not in mine:
@@ -342,7 +344,10 @@ class Sampler(Scheduler, KVMemory, Programs):
             cached, P = self._layout[r]
             for start, block in pc.reserve(slot, seq, taken):
                 j = np.arange(start, start + pc.block)
-                slots = np.where(j < cached, j, np.where(j < len(prompt), P - len(prompt) + j, P + j - len(prompt)))
+                if isinstance(state.cache, PagedCache):  # compacted: token j in slot j
+                    slots = j
+                else:
+                    slots = np.where(j < cached, j, np.where(j < len(prompt), P - len(prompt) + j, P + j - len(prompt)))
                 src_row += [b] * pc.block
                 src_slot += slots.tolist()
                 dst += (block * pc.block + np.arange(pc.block)).tolist()

@@ -121,7 +121,7 @@ class Scheduler:
         while True:
             B = state.active.shape[0]
             if self.paged and self.kv_budget_bytes:  # preempt the last admitted rows if the next step lacks blocks
-                state = self._make_room(state, P, queue)
+                state = self._make_room(state, queue)
             active = to_host(state.active)
             steps = np.where(active, to_host(state.step), 1)
             budget = big
@@ -141,7 +141,7 @@ class Scheduler:
                 window = next(w for w in self._windows(P, Tn) if w >= P + steps.max())
                 if self.paged:
                     window = min(-(-window // self.kv_block) * self.kv_block, state.cache.valid.shape[1])
-                    state = self._ensure_blocks(state, self._blocks_wanted(state, P))
+                    state = self._ensure_blocks(state, self._blocks_wanted(state))
                 state, it = self._decode_fn(sp, P, window)(params, trainable, slot, state, key, jnp.int32(exit_at),
                                                            jnp.int32(budget))
                 self._count_kv(state)  # after decode: the most blocks held since the last exit
@@ -217,10 +217,9 @@ class Scheduler:
             c = state.cache
             B, M, D = state.active.shape[0], c.table.shape[1], c.shards
             shard = np.asarray(free[:n]) // (B // D)
-            spans = [self._spans(prompts[i], plan["cached"].get(tuple(prompts[i]), 0), plan["P"], M, g)
-                     for i, g in zip(cand[:n], glen)]
-            need = self._admission_need(shard, [prompts[i] for i in cand[:n]], spans, plan["P"], D)
-            room = to_host(c.top) - self._blocks_wanted(state, plan["P"]) - max(1, (c.k.shape[2] - 1) // 100)
+            spans = [self._spans(prompts[i], M, g) for i, g in zip(cand[:n], glen)]
+            need = self._admission_need(shard, [prompts[i] for i in cand[:n]], spans, D)
+            room = to_host(c.top) - self._blocks_wanted(state) - max(1, (c.k.shape[2] - 1) // 100)
             fits = (need <= room[None]).all(1)
             n = int(np.argmin(fits)) if not fits.all() else n  # the longest prefix that fits
         if n == 0:
@@ -242,11 +241,11 @@ class Scheduler:
             state = self._insert_fn()(state, new, jnp.asarray(dest))
         return state, n
 
-    def _make_room(self, state: DecodeState, P: int, queue) -> DecodeState:
+    def _make_room(self, state: DecodeState, queue) -> DecodeState:
         """Under a KV budget: while a shard's free blocks cannot serve its live rows' next step, preempt the row
         admitted last in that shard (vLLM's recompute preemption): its tokens and log-probs so far are kept on
         the host, its blocks go back, and it waits at the front of the queue to be prefilled again."""
-        need = self._blocks_wanted(state, P)
+        need = self._blocks_wanted(state)
         top = to_host(state.cache.top)
         if (top >= need).all():
             return state
@@ -263,7 +262,7 @@ class Scheduler:
             victim = max(rows, key=lambda b: self._admitted[int(rid[b])])
             victims[victim] = True
             state = self._preempt(state, victim, queue)
-            need, top = self._blocks_wanted(state, P), to_host(state.cache.top)
+            need, top = self._blocks_wanted(state), to_host(state.cache.top)
         self.stats["preemptions"] += int(victims.sum())
         return state
 
@@ -281,8 +280,7 @@ class Scheduler:
         refuse the call before sampling, naming the knobs."""
         c = state.cache
         M, N = c.table.shape[1], c.k.shape[2]
-        worst = max(len(self._spans(p, plan["cached"].get(tuple(p), 0), plan["P"], M, int(n)))
-                    for p, n in zip(prompts, limits))
+        worst = max(len(self._spans(p, M, int(n))) for p, n in zip(prompts, limits))
         usable = N - 1 - max(1, (N - 1) // 100)  # block 0 is the null block; admission keeps a 1% watermark
         if worst > usable:
             per = self._block_bytes()

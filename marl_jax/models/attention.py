@@ -440,7 +440,9 @@ def paged_decode(q, k_pool, v_pool, layer, table, lengths, *, interpret: bool = 
         kp, vp = at(k_pool), at(v_pool)
 
         def call():
-            return paged_attention(qw, kp, vp, lengths.astype(jnp.int32), pages.astype(jnp.int32),
+            # A filler row holds no slot (length 0): it reads its null block's first slot instead of
+            # dividing by an empty softmax (its output is never used).
+            return paged_attention(qw, kp, vp, jnp.maximum(lengths, 1).astype(jnp.int32), pages.astype(jnp.int32),
                                    pages_per_compute_block=_paged_block(M))
 
         if interpret:
