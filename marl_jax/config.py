@@ -57,6 +57,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # KV cache: dense (rows x (prompt + max new tokens) slots) or paged (blocks of kv_block slots from one
         # pool, held only where rows have tokens; same completions, less memory, a gather per layer per step)
         paged_kv=False, kv_block=16,
+        # What keys and values are stored in: auto = model.dtype; bfloat16 halves the cache under float32
+        # compute (they are read back in model.dtype), and TPU paged decode's kernel needs a bfloat16 pool
+        kv_dtype="auto",
         # Compaction of finished rows moves through 2 batch sizes per octave; a tail still decoding after
         # compaction_patience steps is fitted to compaction_buckets sizes per octave (marl_jax.generate.sampler)
         compaction_buckets=16, compaction_patience=64,
@@ -170,11 +173,19 @@ def cpu_default(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+
+def kv_dtype(config) -> str:
+    """The dtype the sampler stores keys and values in: rollout.kv_dtype, auto meaning model.dtype."""
+    want = config.rollout.get("kv_dtype", "auto")
+    return config.model.dtype if want == "auto" else want
+
+
 _CHOICES = {
     "workflow": ("single_agent", "eval_opt", "voting", "orch_workers"),
     "policy": ("shared", "isolated"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("auto", "float32", "bfloat16"),
+    "rollout.kv_dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "dense", "blockwise", "splash", "cudnn"),
     "trainable.mode": ("lora", "full"),
     "task.kind": ("math", "code"),

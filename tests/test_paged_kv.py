@@ -140,3 +140,24 @@ def test_episodes_of_a_task_share_their_prompt_blocks(tiny):
     # prompts hold at least 8 x 11 blocks at once; shared ones at most 4 tasks x 10 + 8 x 2 (refills mix tasks).
     block_bytes = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
     assert peak["distinct"] >= 8 * 11 * block_bytes and peak["shared"] <= (4 * 10 + 8 * 2) * block_bytes, peak
+
+
+def test_bfloat16_kv_under_float32_compute(tiny):
+    """kv_dtype=bfloat16 with float32 compute (rollout.kv_dtype): the pool and the prefix cache hold bfloat16,
+    half the bytes of a float32 pool grown the same way, and the sampled tokens' log-probs are transformers'
+    float32 teacher-forced ones to bfloat16 accuracy (keys and values rounded once, read back in float32)."""
+    import jax.numpy as jnp
+    cfg, params, model = tiny
+    prompts = random_prompts(20, cfg.vocab_size, seed=9, lo=2, hi=30)
+    sp = SamplingParams(20, temperature=0.0)
+    run = {}
+    for name, kv in (("f32", None), ("bf16", jnp.bfloat16)):
+        s = Sampler(cfg, pad_id=PAD, max_batch=8, paged=True, kv_block=8, kv_dtype=kv, check_blocks=True)
+        run[name] = (s.generate(params, prompts, jax.random.PRNGKey(0), sp), s)
+    out, s = run["bf16"]
+    assert s.stats["peak_kv_bytes"] * 2 == run["f32"][1].stats["peak_kv_bytes"]
+    assert s.prefix_cache.k.dtype == jnp.bfloat16
+    for i, (tf_lp, _) in enumerate(teacher_forced_logp(model, prompts, out, 0.0)):
+        np.testing.assert_allclose(out.row(i)[1], tf_lp, atol=3e-2, rtol=0, err_msg=f"row {i}")
+    err = np.abs(out.logprobs[:, 0] - run["f32"][0].logprobs[:, 0]).max()  # the first token: the same context
+    assert 0 < err < 3e-2, err  # rounded keys and values, not the float32 cache

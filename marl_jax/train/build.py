@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.config import validate
+from marl_jax.config import kv_dtype, validate
 from marl_jax.generate.sampler import Sampler
 from marl_jax.models import sharding
 from marl_jax.models.loading import LoadedModel, load_model, with_param_dtype
@@ -115,7 +115,8 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
                       compaction_patience=int(config.rollout.compaction_patience),
                       prefill_chunk=int(config.rollout.prefill_chunk),
                       kv_budget_bytes=int(float(config.rollout.get("kv_budget_gb", 0.0)) * 2**30),
-                      max_batched_tokens=int(config.rollout.get("max_batched_tokens", 0)))
+                      max_batched_tokens=int(config.rollout.get("max_batched_tokens", 0)),
+                      kv_dtype=jnp.dtype(kv_dtype(config)))
     all_tasks = tasks if tasks is not None else load_tasks(config.task)
     train, val = split(list(all_tasks), config.task.val_size)
     return Runtime(config, model, base, mesh, rules, workflow, roles, mapping, spec, sampler, train, val,
