@@ -292,7 +292,8 @@ class Knobs:
     max_batch: int  # rows decoding at once (rollout.max_batch, vLLM's max_num_seqs)
     kv_budget_gb: float = 0.0  # rollout.kv_budget_gb: the paged pool per device (0: dense / paged bound)
     max_tokens: int = 0  # grpo.max_tokens_per_micro_batch (0: micro_batch rows per item)
-    backend: str = "cpu"  # what model.attention=auto resolves on: cpu | tpu | gpu
+    backend: str = "cpu"  # the chip's kind (cpu | tpu | gpu): what model.attention=auto resolves on, and on "tpu"
+    # the prefill chunk's and decode step's temporaries as XLA:TPU holds them
     max_batched_tokens: int = 0  # rollout.max_batched_tokens: prompt tokens one refill prefills (0: no cap)
 
 
@@ -349,27 +350,56 @@ def layer_weight_bytes(cfg: ModelConfig, e: int, mesh: Mesh = Mesh()) -> float:
     return (D * (2 * qd + 2 * kvd) + 3 * D * f) * e
 
 
-def prefill_chunk_bytes(cfg: ModelConfig, rows: float, chunk: int, prompt: int, e: int, mesh: Mesh = Mesh()) -> float:
+def prefill_chunk_bytes(cfg: ModelConfig, rows: float, chunk: int, prompt: int, e: int, mesh: Mesh = Mesh(),
+                        backend: str = "cpu") -> float:
     """Temporaries of one prefill chunk on one device: `rows` prompts' `chunk` tokens against `prompt` cache slots
     (the last chunk: the widest window). Dense attention when the chunk's scores are small, otherwise blockwise
-    (the kernels cannot express a chunk against a cache): linear in the prompt. Counted from XLA's memory
-    analysis of decoder.forward_cached (tests/test_plan.py)."""
+    (the kernels cannot express a chunk against a cache): linear in the prompt. backend "cpu" (and GPUs): counted
+    from XLA:CPU's memory analysis of decoder.forward_cached (tests/test_plan.py); "tpu": from the buffers live
+    at XLA:TPU's peak (tests/test_plan_aot.py)."""
     from marl_jax.rl.memory import attention_impl
     hq, kvd, qd = _heads(cfg, mesh)
     c = min(chunk, prompt)
+    dense = attention_impl(cfg, c, prompt, "cpu") == "dense"
+    if backend == "tpu":
+        # The layer's window of the cache, three copies: its keys read back from the cache ([B, H, hd, T]),
+        # then keys and values laid out in the attention's blocks; the chunk's queries in float32 and its
+        # keys and values (bfloat16, written and blocked); the last position's float32 logits and softmax.
+        out = 3 * rows * prompt * kvd * e + rows * c * (4 * qd + 4 * kvd * e) + rows * cfg.vocab_size * 8
+        if dense:
+            out += rows * hq * c * prompt * (4 + e)  # scores, probabilities
+        return out
     # The chunk's activations, the layer's window of keys and values read back (and laid out for attention),
     # the last position's logits.
     out = (rows * c * (3.5 * cfg.hidden_size + 2 * qd + 2 * kvd) * e + 2.5 * rows * prompt * kvd * e
            + rows * cfg.vocab_size * 8 + 0.75 * layer_weight_bytes(cfg, e, mesh))
-    if attention_impl(cfg, c, prompt, "cpu") == "dense":
+    if dense:
         out += rows * hq * c * prompt * (4 + e) + rows * c * prompt  # scores, probabilities, mask
     return out
 
 
-def decode_step_bytes(cfg: ModelConfig, rows: float, window: int, e: int, mesh: Mesh = Mesh()) -> float:
-    """Temporaries of one decode step on one device: a layer's keys and values over the window (gathered from
-    the pool's blocks, or sliced from the dense cache), the scores, and the float32 logits and their softmax."""
+def decode_step_bytes(cfg: ModelConfig, rows: float, window: int, e: int, mesh: Mesh = Mesh(), backend: str = "cpu",
+                      pool_slots: int = 0) -> float:
+    """Temporaries of one decode step on one device. backend "cpu" (and GPUs), or a dense cache: a layer's keys
+    and values over the window (gathered from the pool's blocks, or sliced from the dense cache), the scores,
+    and the float32 logits and their softmax.
+
+    backend "tpu" over a paged pool of `pool_slots` slots per device (blocks x block): decode runs jax's Pallas
+    paged-attention kernel (marl_jax.models.attention.paged_decode), which reads the rows' pages in place, so
+    no window is gathered. What XLA:TPU does materialise is the layer's pool viewed as the kernel's pages
+    ([pages, block, Hkv * hd]): with one KV head per device the view is free (a bitcast); with more, the tiled
+    layouts of [block, Hkv, hd] and [block, Hkv * hd] differ, so the layer's keys and its values are copied
+    (two pool-layer-sized copies), and with 4 or more KV heads per device the layer's slice of the pool is
+    laid out before that copy as well (a third; XLA for v5p: Qwen3's 8 KV heads at the real shapes of
+    docs/planner.md too; for v6e it writes the slices in the kernel's layout directly, two copies, so the plan
+    over-counts one there). Besides those: the queries placed in their KV head's lanes of a zero vector
+    ([rows, Hq, Hkv * hd], before and after the reshape) and the float32 logits with their copy into the output
+    (tests/test_plan_aot.py)."""
     hq, kvd, _ = _heads(cfg, mesh)
+    if backend == "tpu" and pool_slots and e == 2:
+        heads = kvd // cfg.head_dim
+        views = 0 if heads == 1 else 2 if heads < 4 else 3
+        return views * pool_slots * kvd * e + rows * (2 * hq * kvd * e + 2 * cfg.vocab_size * 4)
     return rows * (2 * window * kvd * e + hq * window * (4 + e) + cfg.vocab_size * 4 * 2) + 0.75 * layer_weight_bytes(
         cfg, e, mesh)
 
@@ -419,7 +449,8 @@ def prefill_rows(cfg: ModelConfig, config, st: "Stage", mesh: Mesh, max_batch: i
 
 
 def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
-             kv_budget_gb: float | None = None, max_batched_tokens: int | None = None) -> tuple[float, float, int]:
+             kv_budget_gb: float | None = None, max_batched_tokens: int | None = None,
+             backend: str = "cpu") -> tuple[float, float, int]:
     """(KV cache bytes with a decode step's temporaries, prefill transient bytes, rows decoding at once) per
     device for the largest sampler call.
 
@@ -430,7 +461,9 @@ def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
     their prompt's blocks. Prefill (prefill_rows) runs in chunks of rollout.prefill_chunk tokens over a dense
     cache of the distinct prompts; paged, that cache is then copied to every admitted row's and written into
     the pool's blocks, so the prefill transient is the larger of (distinct cache + a chunk's temporaries) and
-    (distinct cache + rows' cache). Dense, the rows' cache is the decode cache itself."""
+    (distinct cache + rows' cache). Dense, the rows' cache is the decode cache itself. backend: the chip's kind
+    ("tpu" counts the programs' temporaries as XLA:TPU holds them, see prefill_chunk_bytes and
+    decode_step_bytes)."""
     from marl_jax.generate.sampler import _batch_bucket, length_bucket
     e = _bytes(config.model.dtype)
     budget = float(config.rollout.get("kv_budget_gb", 0.0)) if kv_budget_gb is None else kv_budget_gb
@@ -447,21 +480,25 @@ def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
         P, Tn = length_bucket(st.prompt), length_bucket(st.new)
         b = B / mesh.rows
         bu, bg = prefill_rows(cfg, config, st, mesh, max_batch, budget, mbt, paged)
+        pool_slots = 0  # slots of the paged pool on one device (0: a dense cache)
         if budget > 0:
             conc = budget_concurrency(cfg, config, st, mesh, max_batch, budget, blk)["concurrent"]
             b = math.ceil(max(conc, 1) / mesh.rows)
             kv = budget * GiB
+            pool_slots = int(budget * GiB // (blk * slot)) * blk
         else:
             kv = b * (P + Tn) * slot
             if paged:
                 distinct = math.ceil(min(st.distinct, B) / mesh.rows)
                 N, prev = paged_pool_blocks(int(b), distinct, P, Tn, blk)
                 kv = (N + (prev if prev < N else 0)) * blk * slot
+                pool_slots = N * blk
+        chunk_bytes = prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh, backend)
         if paged:
-            pre = bu * P * slot + max(prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh), bg * P * slot)
+            pre = bu * P * slot + max(chunk_bytes, bg * P * slot)
         else:
-            pre = bu * (P + Tn) * slot + prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh)
-        step = decode_step_bytes(cfg, b, P + Tn, e, mesh)
+            pre = bu * (P + Tn) * slot + chunk_bytes
+        step = decode_step_bytes(cfg, b, P + Tn, e, mesh, backend, pool_slots)
         if kv + step + pre > worst_kv + worst_pre:
             worst_kv, worst_pre, worst_b = kv + step, pre, int(b * mesh.rows)
     return worst_kv, worst_pre, worst_b
@@ -497,7 +534,8 @@ def batch_bytes(w: Workload, micro_batch: int, mesh: Mesh) -> float:
 
 def memory(cfg: ModelConfig, config, w: Workload, knobs: Knobs) -> dict[str, float]:
     st = static_bytes(cfg, config, w, knobs.mesh)
-    kv, prefill, B = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch, knobs.kv_budget_gb, knobs.max_batched_tokens)
+    kv, prefill, B = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch, knobs.kv_budget_gb, knobs.max_batched_tokens,
+                              knobs.backend)
     act = activation_bytes(cfg, config, w, knobs)
     held = st["base_weights"] + st["trainable"] + st["optimizer"]
     out = dict(st, kv_cache=kv, prefill_transient=prefill, sampler_batch=B, activations=act,
@@ -607,7 +645,7 @@ def kv_budget_that_fits(cfg, config, w: Workload, knobs: Knobs, limit: float) ->
     probe = dataclasses.replace(knobs, kv_budget_gb=0.5)
     mem = memory(cfg, config, w, probe)
     room = limit - (mem["rollout_peak"] - mem["kv_cache"]) - 1.0 * GiB  # decode step transients: 1 GiB margin
-    dense = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch, 0.0)[0]
+    dense = kv_bytes(cfg, config, w, knobs.mesh, knobs.max_batch, 0.0, backend=knobs.backend)[0]
     g = math.floor(min(room, dense) / GiB * 2) / 2
     while g >= 0.5:
         k = dataclasses.replace(knobs, kv_budget_gb=g)

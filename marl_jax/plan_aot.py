@@ -132,7 +132,11 @@ def prefill_chunk(cfg: ModelConfig, *, rows: int, chunk: int, prompt: int, mesh,
 def decode_step(cfg: ModelConfig, *, rows: int, blocks: int, block: int, window: int, mesh, rules=None,
                 dtype=jnp.bfloat16, param_dtype=jnp.bfloat16) -> Program:
     """One decode step: `rows` rows, one token each, over a paged pool of `blocks` blocks of `block` slots per
-    row shard, attending over `window` slots through their block tables."""
+    row shard, attending over `window` slots through their block tables. As the sampler runs it: each row's
+    valid slots are a prefix (right_padded=True), so with cfg.attention "splash" (what "auto" resolves to on
+    TPU; the compiling host's backend is not the target's) and a bfloat16 pool, attention is jax's Pallas
+    paged-attention kernel reading the pool's pages in place (marl_jax.models.attention.paged_decode);
+    otherwise the rows' blocks are gathered and attended densely."""
     params = _base(cfg, param_dtype, mesh, rules)
     shards = sharding.row_count(mesh)
     cache = jax.eval_shape(lambda: decoder.init_paged(cfg, blocks, block, rows, window, shards, dtype))
@@ -143,7 +147,7 @@ def decode_step(cfg: ModelConfig, *, rows: int, blocks: int, block: int, window:
 
     def run(params, cache, t):
         return decoder.forward_cached(params, cfg, t["tokens"], t["positions"], cache, t["write"], t["valid"],
-                                      dtype=dtype, window=window, mesh=mesh, rules=rules)
+                                      dtype=dtype, window=window, mesh=mesh, rules=rules, right_padded=True)
 
     return Program("decode step", jax.jit(run, donate_argnums=(1,)), (params, cache, t))
 
@@ -191,11 +195,12 @@ def run_shapes(cfg: ModelConfig, config, w, knobs) -> dict[str, dict]:
         "update item": dict(rows=rows, T=T, W=W, plan_temporaries=P.activation_bytes(cfg, config, w, knobs),
                             plan_flops=rows * T * cfg.flops_per_token(T // 2) * (4 if knobs.remat == "full" else 3) / m.size),
         "prefill chunk": dict(rows=bu, chunk=chunk, prompt=Pl,
-                              plan_temporaries=P.prefill_chunk_bytes(cfg, bu / m.rows, chunk, Pl, e, m),
+                              plan_temporaries=P.prefill_chunk_bytes(cfg, bu / m.rows, chunk, Pl, e, m, knobs.backend),
                               plan_cache=bu / m.rows * Pl * P.slot_bytes(cfg, config, m),
                               plan_flops=bu * chunk * cfg.flops_per_token(Pl) / m.size),
         "decode step": dict(rows=B, blocks=blocks, block=blk, window=window,
-                            plan_temporaries=P.decode_step_bytes(cfg, B / m.rows, window, e, m),
+                            plan_temporaries=P.decode_step_bytes(cfg, B / m.rows, window, e, m, knobs.backend,
+                                                                 blocks * blk),
                             plan_flops=B * cfg.flops_per_token(window) / m.size),
         "_": dict(params=pr),
     }
@@ -212,12 +217,15 @@ def programs_for(cfg: ModelConfig, config, shapes: dict, mesh, rules=None, backe
     u, pf, d = shapes["update item"], shapes["prefill chunk"], shapes["decode step"]
     ucfg = dc.replace(cfg, attention=attention_impl(cfg, u["T"], u["T"], backend))
     pcfg = dc.replace(cfg, attention=attention_impl(cfg, pf["chunk"], pf["prompt"], "cpu"))
+    # Decode over the paged pool: on TPU the paged-attention kernel ("splash" selects it on any compiling host),
+    # elsewhere the gathered blocks attended densely.
+    dcfg = dc.replace(cfg, attention="splash" if backend == "tpu" else "dense")
     mode = config.trainable.mode
     return [update_item(ucfg, rows=u["rows"], T=u["T"], W=u["W"], mesh=mesh, rules=rules, mode=mode,
                         rank=int(config.trainable.rank), remat=shapes.get("remat", "full"), dtype=dt, param_dtype=pdt),
             prefill_chunk(pcfg, rows=pf["rows"], chunk=pf["chunk"], prompt=pf["prompt"], mesh=mesh, rules=rules,
                           dtype=dt, param_dtype=pdt),
-            decode_step(dc.replace(cfg, attention="dense"), rows=d["rows"], blocks=d["blocks"], block=d["block"],
+            decode_step(dcfg, rows=d["rows"], blocks=d["blocks"], block=d["block"],
                         window=d["window"], mesh=mesh, rules=rules, dtype=dt, param_dtype=pdt)]
 
 
