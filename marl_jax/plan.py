@@ -14,7 +14,7 @@ What is counted is what the code allocates (the memory model is checked against 
 analysis in tests/test_plan.py):
   - base weights are held in config.model.param_dtype (auto: bfloat16 for a bfloat16 checkpoint such as
     the Qwen3 presets, float32 otherwise; see param_dtype) and are cast to config.model.dtype inside each
-    matmul; the KV cache and activations are in config.model.dtype;
+    matmul; activations are in config.model.dtype, the KV cache in rollout.kv_dtype (auto: the same);
   - trainable weights, gradients and AdamW's two moments are float32, one set per policy slot;
     with per-role diagnostics the update also holds one gradient accumulator per diagnostic group;
   - the mesh is (data, fsdp, model): weights are split over fsdp and model where the dimension
@@ -34,6 +34,7 @@ import types
 from typing import Any, Iterable
 
 from marl_jax.models.decoder import ModelConfig
+from marl_jax.config import kv_dtype
 
 GiB = 1024 ** 3
 
@@ -339,7 +340,7 @@ def _heads(cfg: ModelConfig, mesh: Mesh) -> tuple[int, int, int]:
 
 def slot_bytes(cfg: ModelConfig, config, mesh: Mesh) -> float:
     """Keys and values of one cache slot, all layers, on one device."""
-    return 2 * cfg.num_layers * _heads(cfg, mesh)[1] * _bytes(config.model.dtype)
+    return 2 * cfg.num_layers * _heads(cfg, mesh)[1] * _bytes(kv_dtype(config))  # rollout.kv_dtype
 
 
 def layer_weight_bytes(cfg: ModelConfig, e: int, mesh: Mesh = Mesh()) -> float:
@@ -563,7 +564,7 @@ def roofline(cfg: ModelConfig, config, w: Workload, knobs: Knobs, chip: Chip) ->
     e = _bytes(config.model.dtype)
     N = cfg.num_params()
     lora = config.trainable.mode == "lora"
-    kv_tok = 2 * cfg.num_layers * cfg.kv_dim * e  # KV bytes per cached token
+    kv_tok = 2 * cfg.num_layers * cfg.kv_dim * _bytes(kv_dtype(config))  # KV bytes per cached token
     blk = int(config.rollout.get("kv_block", 16))
     decode = prefill = preempt = 0.0
     waves_max = 0

@@ -324,3 +324,16 @@ def test_table_lists_every_preset_on_every_chip():
     text = P.format_table(rows)
     first = text.split("\n\n")[0].splitlines()
     assert len(first) == 2 + 24 and first[2].startswith("| eval_opt:qwen3-0.6b,math | ")
+
+
+def test_kv_dtype_sets_the_cache_bytes_as_the_sampler_stores_them():
+    """rollout.kv_dtype=bfloat16 under float32 compute: the plan's bytes per cached token halve, and a KV block
+    is what the sampler's pool allocates for it."""
+    from marl_jax.generate.sampler import Sampler
+    c = _config()
+    assert c.model.dtype == "float32"
+    f32 = P.slot_bytes(CFG, c, P.Mesh())
+    c.rollout.kv_dtype = "bfloat16"
+    bf16 = P.slot_bytes(CFG, c, P.Mesh())
+    assert bf16 * 2 == f32
+    assert Sampler(CFG, kv_dtype=jnp.bfloat16, kv_block=16)._block_bytes() == 16 * bf16
