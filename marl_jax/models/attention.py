@@ -413,9 +413,11 @@ def paged_decode(q, k_pool, v_pool, layer, table, lengths, *, interpret: bool = 
     matmul work (idle in decode, which is bound by memory). Rows of shard d address pages d * N + block.
     Compiled for one TPU chip, XLA makes that view a copy of the layer's pool (most likely because the
     tiled HBM layouts of [blk, Hkv, hd] and [blk, Hkv * hd] differ): 0.126 GiB of temporaries for a 32k-token
-    Qwen3-0.6B pool, against 0.50 GiB for gathering 64 rows x 4096 slots; inside shard_map over 8 chips it
-    made no copy (0.5 MiB). A pool stored [L, D, N, blk, Hkv * hd] (heads merged into lanes) or heads
-    first makes the view free everywhere (1 MiB; benchmarks/attention.py --decode).
+    Qwen3-0.6B pool, against 0.50 GiB for gathering 64 rows x 4096 slots. Inside shard_map over 8 chips a
+    v5e showed no copy in HBM (0.5 MiB; it sat in VMEM), a v5p does copy (2 copies with 2-3 KV heads a
+    device, 3 with 4+, none with 1: what marl_jax.plan counts). Each decode step then moves about 1.5x a
+    layer's pool per layer; a pool stored [L, D, N, blk, Hkv * hd] (heads merged into lanes) or heads first
+    makes the view free everywhere (1 MiB; benchmarks/attention.py --decode) and is the next step.
 
     Precision: the kernel rounds keys and values to bfloat16 as it loads them (its dequantisation step),
     so it equals the gather path exactly only for a bfloat16 pool; `choose` takes it only then.
