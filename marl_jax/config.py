@@ -173,7 +173,6 @@ def cpu_default(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-
 def kv_dtype(config) -> str:
     """The dtype the sampler stores keys and values in: rollout.kv_dtype, auto meaning model.dtype."""
     want = config.rollout.get("kv_dtype", "auto")

@@ -227,16 +227,20 @@ class KVMemory:
         n = len(p) + max(g - 1, 0)
         return np.arange(min(-(-n // self.kv_block), M))
 
+    def _shared_blocks(self, p) -> int:
+        """Blocks of prompt p that rows with that prompt share: those wholly before its first completion slot
+        len(p), which no row writes again; the block holding that slot, and later ones, are each row's own."""
+        return len(p) // self.kv_block
+
     def _admission_need(self, shard, prompts, spans, D: int) -> np.ndarray:
         """Fresh blocks each shard gives rows admitted in this order ([n, D], cumulative). Rows with the same
-        prompt in the same shard (a task's episodes) share its blocks that lie wholly before its first
-        completion slot len(p), which no row writes again; the block holding that slot is each row's own."""
+        prompt in the same shard (a task's episodes) share their prompt's first _shared_blocks(p) blocks."""
         need = np.zeros((len(prompts), D), np.int64)
         acc = np.zeros(D, np.int64)
         fresh = set()
         for i, (d, p, js) in enumerate(zip(shard, prompts, spans)):
             key_p = (int(d), tuple(p))
-            whole = len(p) // self.kv_block
+            whole = self._shared_blocks(p)
             for j in js:
                 if j >= whole:
                     acc[d] += 1

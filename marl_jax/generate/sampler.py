@@ -260,7 +260,7 @@ class Sampler(Scheduler, KVMemory, Programs):
         """Paged: prefill `prompts` (a dense cache of the prompt slots only, and of the tokens preempted rows had
         generated, `gens`), give each row blocks of its shard for the slots it fills, and write the rows into batch
         rows `dest` of the running state."""
-        P, blk, n = plan["P"], self.kv_block, len(prompts)
+        P, n = plan["P"], len(prompts)
         gens = gens if gens is not None else [None] * n
         glen = [0 if x is None else len(x[0]) for x in gens]
         G = resume_slots(max(glen)) if any(glen) else 0
@@ -273,7 +273,7 @@ class Sampler(Scheduler, KVMemory, Programs):
         spans = [self._spans(p, M, g) for p, g in zip(prompts, glen)]
         need = self._admission_need(shard, prompts, spans, D)[-1]
         fresh = {(int(d), tuple(p), int(j)) for d, p, js in zip(shard, prompts, spans) for j in js
-                 if j < len(p) // blk and j not in self._shared.get((int(d), tuple(p)), {})}
+                 if j < self._shared_blocks(p) and j not in self._shared.get((int(d), tuple(p)), {})}
         state = self._ensure_blocks(state, need)
         c = state.cache
         lists = self._free_lists(c)
@@ -284,7 +284,7 @@ class Sampler(Scheduler, KVMemory, Programs):
             key_p = (d, tuple(p))
             mine = self._shared.setdefault(key_p, {})
             for j in js:
-                if j >= len(p) // blk:  # the block where its completion starts, and later ones: the row's own
+                if j >= self._shared_blocks(p):  # the row's own block
                     table[u, j] = write[u, j] = lists[d].pop()
                     continue
                 if j not in mine:
