@@ -75,9 +75,9 @@ def tpu_update_item(T: int, impl: str, topology: str = "v5e:2x4", mesh_shape=(4,
     with `segment`-token rows, over a (data, fsdp, model) mesh of the slice's chips."""
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec as P
+    from marl_jax.plan_aot import tpu_topology
     from marl_jax.rl.loss import head_logprobs
-    mesh = topologies.make_mesh(topologies.get_topology_desc(topology_name=topology, platform="tpu"), mesh_shape,
-                                ("data", "fsdp", "model"))
+    mesh = topologies.make_mesh(tpu_topology(topology), mesh_shape, ("data", "fsdp", "model"))
     cfg = decoder.ModelConfig(family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                               num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True,
                               max_position_embeddings=1 << 17, attention=impl)
@@ -105,9 +105,9 @@ def tpu_decode_step(kernel: bool, topology: str = "v5e:2x4", rows: int = 64, poo
     `pool_tokens` slots in all (blocks of `block`, split over the row shards). kernel: the Pallas paged-attention kernel
     (right-padded rows); else the gather path (each row's window of blocks gathered, then attended).
     data > 1: rows and the pool over that many chips of a (data, 1, 1) mesh, the kernel inside shard_map."""
-    from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    devs = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    from marl_jax.plan_aot import tpu_topology
+    devs = tpu_topology(topology).devices
     mesh = Mesh(np.asarray(devs[:data]).reshape(data, 1, 1), ("data", "fsdp", "model"))
     cfg = decoder.ModelConfig(family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                               num_layers=layers, num_heads=16, num_kv_heads=8, head_dim=128, qk_norm=True,
@@ -118,12 +118,11 @@ def tpu_decode_step(kernel: bool, topology: str = "v5e:2x4", rows: int = 64, poo
     params = jax.eval_shape(lambda: decoder.cast_params(decoder.init_params(cfg, jax.random.PRNGKey(0)), bf))
     params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), params)
     N = pool_tokens // data // block + 1  # per row shard, + its null block
-    pool = jax.ShapeDtypeStruct((layers, data, N, block, cfg.num_kv_heads, cfg.head_dim), bf,
-                                sharding=NamedSharding(mesh, P(None, "data")))
+    pool = jax.ShapeDtypeStruct((cfg.num_kv_heads, layers, data, N, block, cfg.head_dim), bf,
+                                sharding=NamedSharding(mesh, P(None, None, "data")))
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rows_sh)
     M = window // block
-    cache = decoder.PagedCache(pool, pool, sds((rows, M), jnp.int32), sds((rows, window), bool),
-                               sds((data, N), jnp.int32), sds((data,), jnp.int32))
+    cache = decoder.PagedCache(pool, pool, sds((rows, M), jnp.int32), sds((data, N), jnp.int32), sds((data,), jnp.int32))
 
     def step(params, cache, tokens, positions, widx):
         return decoder.forward_cached(params, cfg, tokens, positions, cache, widx, jnp.ones((rows, 1), bool),
@@ -148,10 +147,10 @@ def tpu_paged_op(path: str, topology: str = "v5e:2x4", rows: int = 64, pool_toke
     "lanes": a pool stored [L, N, blk, Hkv * hd] (heads merged into the lane dimension), the kernel reading it
     in place (the view paged_decode makes is then free);
     "heads_first": a pool stored [Hkv, L * N, blk, hd], the kernel's own layout, one KV head per grid step."""
-    from jax.experimental import topologies
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
     from jax.sharding import SingleDeviceSharding
-    dev = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    from marl_jax.plan_aot import tpu_topology
+    dev = tpu_topology(topology).devices[0]
     sh = SingleDeviceSharding(dev)
     Hq, Hkv, hd, bf = 16, 8, 128, jnp.bfloat16
     N, M = pool_tokens // block + 1, window // block

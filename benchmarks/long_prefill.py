@@ -57,7 +57,7 @@ def main(argv=None):
     for S in lengths:
         for chunk in chunks:
             c = chunk or 1 << 40
-            fn = Sampler(cfg, prefill_chunk=c, min_batch=1)._prefill_fn(sp, S + Tn, Tn)
+            fn = Sampler(cfg, prefill_chunk=c, min_batch=1).programs.prefill(sp, S + Tn, Tn)
             shapes = (sd((1, S), jnp.int32), sd((1, S), bool))
             lowered = fn.lower(params, None, jnp.int32(0), sd((0,), jnp.int32), *shapes, sd((1,), jnp.int32),
                                sd((1,), jnp.int32), sd((1,), jnp.int32), sd((1,), jnp.int32), jax.random.PRNGKey(0),

@@ -185,7 +185,7 @@ def draws(args, vocab: int, count: int = 40):
     above), replayed on host without a model."""
     import numpy as np
 
-    from marl_jax.generate.sampler import schedule_row_steps
+    from marl_jax.generate.scheduler import schedule_row_steps
 
     lims = []
     for seed in range(count):

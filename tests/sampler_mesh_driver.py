@@ -33,7 +33,7 @@ def main():
     def run(mesh, base, tr, paged=False, budget=0):
         """Two calls, the second's prompts extending the first's prompts + completions; then a LoRA slot.
         budget: a KV budget of this many blocks per device (preemption; the bookkeeping checked every step)."""
-        kw = dict(kv_budget_bytes=budget * Sampler(CFG, mesh=mesh, kv_block=8)._block_bytes(), check_blocks=True)
+        kw = dict(kv_budget_bytes=budget * Sampler(CFG, mesh=mesh, kv_block=8).block_bytes(), check_blocks=True)
         s = Sampler(CFG, mesh=mesh, max_batch=8, paged=paged, kv_block=8, **kw)
         a = s.generate(base, prompts, key, greedy, max_new_tokens=limits)
         refills = s.stats["refills"]
@@ -69,7 +69,7 @@ def paged_locality(params, prompts, greedy, key):
     mesh = sharding.make_mesh(8, 1, fsdp=1)
     s = Sampler(CFG, mesh=mesh, max_batch=8, paged=True, kv_block=8)
     seen = {}
-    build = s._decode_fn
+    build = s.programs.decode
 
     def spy(sp, P, window):
         f = build(sp, P, window)
@@ -81,14 +81,15 @@ def paged_locality(params, prompts, greedy, key):
             return res
         return g
 
-    s._decode_fn = spy
+    s.programs.decode = spy
     s.generate(sharding.shard_params(params, mesh), prompts, key, greedy)
     k = seen["k"]
     sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
              for dims in re.findall(r"= \(?[a-z0-9]+\[([0-9,]*)\][^ ]* (?:all-gather|all-reduce|all-to-all|"
                                     r"collective-permute|reduce-scatter)", seen["hlo"])]
-    return {"pool_shards": k.shape[1], "shards_per_device": k.addressable_shards[0].data.shape[1],
-            "largest_collective": max(sizes, default=0), "pool_layer_elems": int(np.prod(k.shape[1:]))}
+    # The pool is [Hkv, L, D, N, blk, hd]: D row shards; one layer's pool is everything but the layer axis.
+    return {"pool_shards": k.shape[2], "shards_per_device": k.addressable_shards[0].data.shape[2],
+            "largest_collective": max(sizes, default=0), "pool_layer_elems": int(np.prod(k.shape)) // k.shape[1]}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import pytest
 
 from hf_fixtures import TINY, left_pad, save_tiny_tokenizer
 from marl_jax.generate import prefill as pf
-from marl_jax.generate.sampler import Sampler, SamplingParams, _shared_prefix_len, length_bucket
+from marl_jax.generate.buckets import shared_prefix_len
+from marl_jax.generate.sampler import Sampler, SamplingParams, length_bucket
 from marl_jax.models import decoder, hf
 
 torch = pytest.importorskip("torch")
@@ -102,7 +103,7 @@ def test_default_chunk_keeps_short_prompts_in_one_pass(models):
     sd = jax.ShapeDtypeStruct
 
     def whiles(chunk, S):
-        f = Sampler(cfg, prefill_chunk=chunk)._prefill_fn(sp, S + 16, 16)
+        f = Sampler(cfg, prefill_chunk=chunk).programs.prefill(sp, S + 16, 16)
         text = f.lower(params, None, jnp.int32(0), sd((0,), jnp.int32), sd((1, S), jnp.int32), sd((1, S), bool),
                        sd((1,), jnp.int32), sd((1,), jnp.int32), sd((1,), jnp.int32), sd((1,), jnp.int32),
                        jax.random.PRNGKey(0), None).as_text()
@@ -127,7 +128,7 @@ def test_greedy_matches_transformers_in_chunks(models, family, chunk):
     assert_hf_greedy(model, prompts, out)
     plain = Sampler(cfg, pad_id=PAD, share_prefix=False, prefix_cache_tokens=0)
     ref = plain.generate(params, prompts, jax.random.PRNGKey(0), GREEDY)
-    compiled = lambda x: {k: f._cache_size() for k, f in x._fns.items()}
+    compiled = lambda x: {k: f._cache_size() for k, f in x.programs.fns.items()}
     assert compiled(s) == compiled(plain)  # the chunk loop runs inside the same programs
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
@@ -173,7 +174,7 @@ def test_embedded_model_in_chunks_matches_transformers(smollm, chat_prompts, smo
     tok = smollm.tokenizer
     stops = tuple(tok.eos_token_ids)
     prompts = [p for p in chat_prompts if len(p) > 16][:6]
-    C = _shared_prefix_len(prompts)
+    C = shared_prefix_len(prompts)
     assert len(pf.chunk_starts(C, 10)) == 3 and len(pf.chunk_starts(length_bucket(max(map(len, prompts)) - C), 10)) == 2
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, stop_ids=stops)
     s = Sampler(smollm.cfg, pad_id=tok.pad_id, prefill_chunk=10)
@@ -214,7 +215,7 @@ def test_one_prompt_is_prefilled_as_one_row(models):
     cfg, params, model = models("qwen3")
     s = Sampler(cfg, pad_id=PAD)
     seen = []
-    build = s._prefill_fn
+    build = s.programs.prefill
 
     def spy(*a):
         f = build(*a)
@@ -225,7 +226,7 @@ def test_one_prompt_is_prefilled_as_one_row(models):
             return state
         return g
 
-    s._prefill_fn = spy
+    s.programs.prefill = spy
     p = prompts_of((30, 12, 7), cfg.vocab_size, seed=5)
     one = s.generate(params, [p[0]] * 4, jax.random.PRNGKey(0), GREEDY)
     s.generate(params, p, jax.random.PRNGKey(0), GREEDY)
@@ -239,7 +240,7 @@ def _prefill_memory(cfg, S, chunk, Tn=16):
     """XLA's memory analysis of the sampler's prefill program for one prompt of S slots."""
     params = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.PRNGKey(0)))
     sd = jax.ShapeDtypeStruct
-    f = Sampler(cfg, prefill_chunk=chunk, min_batch=1)._prefill_fn(SamplingParams(Tn, temperature=0.7), S + Tn, Tn)
+    f = Sampler(cfg, prefill_chunk=chunk, min_batch=1).programs.prefill(SamplingParams(Tn, temperature=0.7), S + Tn, Tn)
     return f.lower(params, None, jnp.int32(0), sd((0,), jnp.int32), sd((1, S), jnp.int32), sd((1, S), bool),
                    sd((1,), jnp.int32), sd((1,), jnp.int32), sd((1,), jnp.int32), sd((1,), jnp.int32),
                    jax.random.PRNGKey(0), None).compile().memory_analysis()

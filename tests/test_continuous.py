@@ -3,6 +3,8 @@ equal transformers' generate (greedy) and the run-each-chunk-to-its-end sampler,
 pass, and the batch does less wasted work and holds less KV cache than one dense batch of every row."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import pathlib
@@ -32,18 +34,26 @@ def long_tail_limits(n, T, seed=0):
     return np.where(np.arange(n) % 6 == 2, T, rng.randint(1, 6, n)).tolist()
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_greedy_refilled_rows_match_transformers_generate(tiny, paged):
-    """Refilled and compacted rows, with the dense and the paged KV cache, give transformers' greedy tokens."""
+@pytest.mark.parametrize("paged", [False, True, "fused"])
+def test_greedy_refilled_rows_match_transformers_generate(tiny, paged, monkeypatch):
+    """Refilled and compacted rows, with the dense and the paged KV cache, give transformers' greedy tokens;
+    "fused": the paged cache read by GPU's decode path (attention.paged_fused, model.attention=cudnn)."""
+    from marl_jax.models import attention as A
     cfg, params, model = tiny
+    traced = []
+    if paged == "fused":
+        cfg = dataclasses.replace(cfg, attention="cudnn")
+        real = A.paged_fused
+        monkeypatch.setattr(A, "paged_fused", lambda *a, **k: traced.append(1) or real(*a, **k))
     prompts = random_prompts(20, cfg.vocab_size, seed=21, lo=2, hi=20)
     limits = long_tail_limits(20, 16)
-    sampler = Sampler(cfg, pad_id=PAD, max_batch=8, min_batch=1, paged=paged, kv_block=4)
+    sampler = Sampler(cfg, pad_id=PAD, max_batch=8, min_batch=1, paged=bool(paged), kv_block=4)
     out = sampler.generate(params, prompts, jax.random.PRNGKey(0), SamplingParams(16, temperature=0.0),
                            max_new_tokens=limits)
     assert sampler.stats["refills"] >= 2 and sampler.stats["peak_kv_bytes"] > 0
     if paged:
         assert sampler.stats["compactions"] >= 1
+    assert bool(traced) == (paged == "fused")  # the decode programs went through paged_fused
     tokens, mask, _ = left_pad(prompts, PAD)
     with torch.no_grad():
         ref = model.generate(torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
@@ -134,7 +144,7 @@ def test_long_tails_compacted_onto_the_fine_grid_waste_fewer_row_steps(tiny):
 def test_host_replay_of_the_schedule_counts_what_the_sampler_computes(tiny, per_octave, patience):
     """schedule_row_steps (the planner's and the benchmark's replay of the batching schedule) gives the
     sampler's own row-steps, compactions and refills for the lengths the rows actually took."""
-    from marl_jax.generate.sampler import schedule_row_steps
+    from marl_jax.generate.scheduler import schedule_row_steps
 
     cfg, params, _ = tiny
     prompts = random_prompts(45, cfg.vocab_size, seed=31, lo=1, hi=24)

@@ -1,7 +1,8 @@
-"""Decode over a paged KV pool with jax's Pallas paged-attention kernel (marl_jax.models.attention.paged_decode),
-run by the Pallas TPU interpreter on CPU, against the gather path (the rows' blocks gathered, then dense
-attention): the attention alone (float32, bfloat16, GQA, rows of different lengths, null blocks, row shards,
-under a mesh) and a decode step through the decoder; and which path `choose` takes where."""
+"""Decode over a paged KV pool with jax's Pallas paged-attention kernel (marl_jax.models.attention.paged_decode,
+run by the Pallas TPU interpreter on CPU) and with the fused XLA path (paged_fused, GPU's), against the gather
+path (the rows' blocks gathered, then dense attention): the attention alone (float32, bfloat16, GQA, rows of
+different lengths, null blocks, row shards, under a mesh), a decode step through the decoder and the sampler;
+and which path `choose` takes where."""
 import logging
 
 import jax
@@ -19,7 +20,7 @@ BLK, HQ, HKV, HD = 16, 4, 2, 128
 def _pool(seed, L, D, N, dtype=jnp.float32):
     """Random keys and values whose values are bfloat16 numbers (the kernel loads pages as bfloat16)."""
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    shape = (L, D, N, BLK, HKV, HD)
+    shape = (HKV, L, D, N, BLK, HD)  # the pool's layout: KV heads first
     return (jax.random.normal(k1, shape).astype(jnp.bfloat16).astype(dtype),
             jax.random.normal(k2, shape).astype(jnp.bfloat16).astype(dtype))
 
@@ -57,6 +58,19 @@ def test_kernel_equals_gather_float32(shards):
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_fused_equals_gather_float32(shards):
+    """The GPU path (scores and output as reductions over the pages indexed in place) is the gather path's
+    attention, layer by layer, over rows of different lengths and row shards."""
+    k, v = _pool(0, 2, shards, 10)
+    table, lengths = _rows(shards)
+    q = jax.random.normal(jax.random.PRNGKey(1), (table.shape[0], 1, HQ, HD))
+    run = jax.jit(lambda q, k, v, layer: A.paged_fused(q, k, v, layer, table, lengths))
+    for layer in range(2):
+        np.testing.assert_allclose(np.asarray(run(q, k, v, layer)), np.asarray(_gather(q, k, v, layer, table, lengths)),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_bfloat16_close_to_float32():
     """bfloat16 queries and pool: the kernel and the gather path both within bfloat16 error of float32."""
     k, v = _pool(2, 1, 1, 10, jnp.bfloat16)
@@ -64,10 +78,11 @@ def test_kernel_bfloat16_close_to_float32():
     q = jax.random.normal(jax.random.PRNGKey(3), (3, 1, HQ, HD)).astype(jnp.bfloat16)
     exact = _gather(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 0, table, lengths)
     out = A.paged_decode(q, k, v, 0, table, lengths, interpret=True)
+    fused = A.paged_fused(q, k, v, 0, table, lengths)
     gathered = _gather(q, k, v, 0, table, lengths)
-    assert out.dtype == jnp.bfloat16
+    assert out.dtype == fused.dtype == jnp.bfloat16
     err = lambda x: float(jnp.abs(x.astype(jnp.float32) - exact).max())
-    assert err(out) < 2e-2 and err(gathered) < 2e-2, (err(out), err(gathered))
+    assert err(out) < 2e-2 and err(fused) < 2e-2 and err(gathered) < 2e-2, (err(out), err(fused), err(gathered))
 
 
 def _tiny(attention):
@@ -75,28 +90,32 @@ def _tiny(attention):
                                num_heads=HQ, num_kv_heads=HKV, head_dim=HD, qk_norm=True, attention=attention)
 
 
-def test_decode_step_through_the_decoder():
+@pytest.mark.parametrize("attention", ["splash", "cudnn"])
+def test_decode_step_through_the_decoder(attention):
     """One decode step of forward_cached over a bfloat16 PagedCache: the kernel (model.attention=splash,
-    right-padded rows, interpreted) gives the gather path's logits and the same updated pool."""
-    cfg = _tiny("splash")
+    interpreted) and the fused path (cudnn: the GPU paths) give the gather path's logits and the same pool."""
+    cfg = _tiny(attention)
     params = decoder.init_params(cfg, jax.random.PRNGKey(0))
     B, M, N = 3, 4, 10
     cache = decoder.init_paged(cfg, N, BLK, B, M * BLK, 1, jnp.bfloat16)
     k, v = _pool(4, cfg.num_layers, 1, N, jnp.bfloat16)
     table, lengths = _rows(1)
     lengths = lengths - 1  # slots held before this step; the step writes at slot `lengths`
-    cache = cache._replace(k=k, v=v, table=table, valid=jnp.arange(M * BLK)[None] < lengths[:, None])
+    cache = cache._replace(k=k, v=v, table=table)
     tokens = jnp.asarray([[5], [17], [42]], jnp.int32)
-    step = lambda cfg, rp: decoder.forward_cached(params, cfg, tokens, lengths[:, None], cache, lengths,
-                                                  jnp.ones((B, 1), bool), window=M * BLK, right_padded=rp)
+    step = lambda cfg: decoder.forward_cached(params, cfg, tokens, lengths[:, None], cache, lengths,
+                                              jnp.ones((B, 1), bool), window=M * BLK)
     with pltpu.force_tpu_interpret_mode():
-        logits, new = step(cfg, True)
-    ref, new_ref = step(_tiny("dense"), True)  # dense: the gather path on any backend
+        logits, new = step(cfg)
+    ref, new_ref = step(_tiny("dense"))  # dense: the gather path on any backend
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=1e-5)
-    for a, b in zip(new[2:], new_ref[2:]):  # table, valid, free list
+    for a, b in zip(new[2:], new_ref[2:]):  # table, free list
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(new[:2], new_ref[:2]):  # the written keys and values: equal up to bfloat16 rounding
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-2, rtol=1e-2)
+    at = (np.asarray(table)[np.arange(B), np.asarray(lengths) // BLK], np.asarray(lengths) % BLK)
+    written = np.asarray(new.k[:, 0, 0], np.float32)[:, at[0], at[1]]
+    assert np.abs(written - np.asarray(k[:, 0, 0], np.float32)[:, at[0], at[1]]).max() > 0  # the step's slot written
 
 
 def test_choice_of_the_decode_path(caplog):
@@ -109,7 +128,9 @@ def test_choice_of_the_decode_path(caplog):
     assert A.choose("auto", 1, 64, "tpu", rp, bf, pool=True) == "paged"
     assert A.choose("splash", 1, 64, "cpu", rp, bf, pool=True) == "paged"
     assert A.choose("auto", 1, 64, "cpu", rp, bf, pool=True) == "dense"
-    assert A.choose("auto", 1, 64, "gpu", rp, bf, pool=True) == "dense"
+    assert A.choose("auto", 1, 64, "gpu", rp, bf, pool=True) == "paged_fused"
+    assert A.choose("cudnn", 1, 64, "cpu", rp, f32, pool=True) == "paged_fused"
+    assert A.choose("auto", 1, 64, "gpu", holes, bf, pool=True) == "dense"
     assert A.choose("dense", 1, 64, "tpu", rp, bf, pool=True) == "dense"
     assert A.choose("auto", 1, 64, "tpu", rp, bf) == "dense"  # not a pool: the dense cache's decode
     assert A.choose("auto", 1, 64, "tpu", holes, bf, pool=True) == "dense"
@@ -135,13 +156,20 @@ k, v = T._pool(5, 2, 2, 10)
 table, lengths = T._rows(2)
 q = jax.random.normal(jax.random.PRNGKey(6), (4, 1, T.HQ, T.HD))
 out = jax.jit(lambda q, k, v: A.paged_decode(q, k, v, 1, table, lengths, interpret=True, mesh=mesh))(q, k, v)
-print("DIFF", float(jnp.abs(out - T._gather(q, k, v, 1, table, lengths)).max()))
+ref = T._gather(q, k, v, 1, table, lengths)
+print("DIFF", float(jnp.abs(out - ref).max()))
+# The fused path (plain XLA) over the pool placed as the sampler places it: KV heads over "model", row shards
+# over "data".
+from jax.sharding import NamedSharding, PartitionSpec as P
+put = lambda x: jax.device_put(x, NamedSharding(mesh, P("model", None, "data")))
+fused = jax.jit(lambda q, k, v: A.paged_fused(q, k, v, 1, table, lengths))(q, put(k), put(v))
+print("FUSED", float(jnp.abs(fused - ref).max()))
 '''
 
 
 def test_kernel_under_a_mesh():
     """Row shards over "data" (a pool part per shard), KV heads over "model": the kernel inside shard_map on
-    4 CPU devices (interpreted) equals the gather path."""
+    4 CPU devices (interpreted), and the fused path over the pool so placed, equal the gather path."""
     import os
     import subprocess
     import sys
@@ -150,8 +178,9 @@ def test_kernel_under_a_mesh():
     run = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600,
                          cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]
-    diff = float(run.stdout.split("DIFF")[-1])
-    assert diff < 1e-5, diff
+    diff = float(run.stdout.split("DIFF")[-1].split()[0])
+    fused = float(run.stdout.split("FUSED")[-1])
+    assert diff < 1e-5 and fused < 1e-5, (diff, fused)
 
 
 def _count_kernel_calls(monkeypatch):

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from hf_fixtures import left_pad
-from marl_jax.generate.sampler import SampleOutput, Sampler, SamplingParams, _batch_bucket, _next_smaller_bucket, sample_tokens
+from marl_jax.generate.buckets import batch_bucket, next_smaller_bucket
+from marl_jax.generate.sampling import sample_tokens
+from marl_jax.generate.sampler import SampleOutput, Sampler, SamplingParams
 from marl_jax.models import decoder, hf
 
 torch = pytest.importorskip("torch")
@@ -261,11 +263,11 @@ def test_compaction_and_chunking_do_not_change_results(tiny, sampler, sampler_ch
 
 def test_batch_buckets():
     """Buckets are multiple * {1, 2, 3, 4, 6, 8, 12, ...}, at least the minimum; compaction moves one bucket down."""
-    assert [_batch_bucket(n, 8) for n in (1, 8, 9, 12, 13, 17, 25, 33, 49, 65)] == [8, 8, 12, 12, 16, 24, 32, 48, 64, 96]
-    assert [_batch_bucket(n) for n in range(1, 10)] == [1, 2, 3, 4, 6, 6, 8, 8, 12]
-    assert [_batch_bucket(n, 8, 8) for n in (1, 9, 17, 25, 33, 49)] == [8, 16, 24, 32, 48, 64]  # data axis of 8
-    assert [_next_smaller_bucket(b, 8) for b in (64, 48, 32, 24, 16, 12, 8)] == [48, 32, 24, 16, 12, 8, 0]
-    assert _next_smaller_bucket(24, 8, 8) == 16 and _next_smaller_bucket(16, 16, 8) == 0
+    assert [batch_bucket(n, 8) for n in (1, 8, 9, 12, 13, 17, 25, 33, 49, 65)] == [8, 8, 12, 12, 16, 24, 32, 48, 64, 96]
+    assert [batch_bucket(n) for n in range(1, 10)] == [1, 2, 3, 4, 6, 6, 8, 8, 12]
+    assert [batch_bucket(n, 8, 8) for n in (1, 9, 17, 25, 33, 49)] == [8, 16, 24, 32, 48, 64]  # data axis of 8
+    assert [next_smaller_bucket(b, 8) for b in (64, 48, 32, 24, 16, 12, 8)] == [48, 32, 24, 16, 12, 8, 0]
+    assert next_smaller_bucket(24, 8, 8) == 16 and next_smaller_bucket(16, 16, 8) == 0
 
 
 def test_attention_window_changes_nothing(tiny):
@@ -356,7 +358,7 @@ def test_compiled_programs_stay_bounded(tiny):
     sp = SamplingParams(max_new_tokens=8, temperature=0.0)
 
     def compiled() -> int:
-        return sum(f._cache_size() for f in sampler._fns.values())
+        return sum(f._cache_size() for f in sampler.programs.fns.values())
 
     def calls(first: int, count: int) -> set:
         sizes = set()
@@ -372,11 +374,11 @@ def test_compiled_programs_stay_bounded(tiny):
     # Unbucketed, every distinct (rows, longest prompt) pair would compile its own prefill and decode.
     sizes = calls(0, 30)
     assert len(sizes) >= 20
-    assert compiled() <= 16, {k: f._cache_size() for k, f in sampler._fns.items()}
+    assert compiled() <= 16, {k: f._cache_size() for k, f in sampler.programs.fns.items()}
     first = compiled()
     sizes |= calls(30, 30)
     assert len(sizes) >= 35
-    assert compiled() <= 16 and compiled() - first <= 2, {k: f._cache_size() for k, f in sampler._fns.items()}
+    assert compiled() <= 16 and compiled() - first <= 2, {k: f._cache_size() for k, f in sampler.programs.fns.items()}
 
 
 def test_prompts_sharing_a_longer_prefix_reuse_the_decode_programs(tiny):
@@ -387,7 +389,7 @@ def test_prompts_sharing_a_longer_prefix_reuse_the_decode_programs(tiny):
     rng = np.random.RandomState(3)
     sp = SamplingParams(max_new_tokens=8, temperature=0.0)
     sampler = Sampler(cfg, pad_id=PAD)
-    decode = lambda: sorted((k[2], k[3], f._cache_size()) for k, f in sampler._fns.items() if k[0] == "decode")
+    decode = lambda: sorted((k[2], k[3], f._cache_size()) for k, f in sampler.programs.fns.items() if k[0] == "decode")
     calls = []
     for shared, rests in ((16, (20, 24, 9, 13)), (24, (14, 17, 5, 11))):  # 40 and 41 tokens at most
         head = rng.randint(1, cfg.vocab_size, shared).tolist()

@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from marl_jax.generate.buckets import batch_bucket, length_bucket
 from marl_jax.models.decoder import ModelConfig
 
 PREFILL_CHUNK = 2048  # prompts up to this many slots run in one pass, as they did before chunking
@@ -72,11 +73,9 @@ def generate_bytes(cfg: ModelConfig, prompt_lens, new_tokens: int, *, chunk: int
                  prompt window, its window of keys and values, its activations) and one decode step (a
                  layer's window of the cache, the float32 logits and their softmax);
     total        their sum."""
-    from marl_jax.generate.sampler import _batch_bucket, length_bucket
-
     lens = list(prompt_lens)
-    B = _batch_bucket(len(lens), min_batch)
-    Bu = _batch_bucket(distinct or len(lens), 1)
+    B = batch_bucket(len(lens), min_batch)
+    Bu = batch_bucket(distinct or len(lens), 1)
     P, Tn = length_bucket(max(lens)), length_bucket(new_tokens)
     L, Hq, Hkv, hd = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     D, F, V, e = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, dtype_bytes

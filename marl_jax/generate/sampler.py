@@ -1,56 +1,58 @@
 """Batched sampling for rollouts: `Sampler.generate(params, prompts, key, sp)` gives one completion per
 token prompt, with its tokens' log-probs.
 
-The work is split three ways, each in its own module:
-  - marl_jax.generate.programs: the jitted programs (chunked prefill, the decode loop, row moves) and the
-    sampling state;
-  - marl_jax.generate.kv: the KV memory (dense cache, paged pool and its blocks, the KV budget, the prefix
-    cache);
+The parts, each in its own module and composed here:
+  - marl_jax.generate.programs: the jitted programs (chunked prefill, the decode loop, row moves);
   - marl_jax.generate.scheduler: the host's decisions (continuous batching, compaction, admission under the KV
-    budget and the token cap, preemption by recompute).
-This module ties them together: the call's prompt layout, prefill of admitted rows, harvesting finished rows.
+    budget and the token cap, preemption by recompute), in one loop that drives `DeviceRows` here;
+  - marl_jax.generate.block_pool: the paged pool's host bookkeeping (free blocks, shared prompt blocks);
+  - marl_jax.generate.prefix_cache: keys and values of earlier calls' sequences;
+  - marl_jax.generate.buckets, types, sampling: the sizing rules, the shared types, token sampling.
+This module holds the call's prompt layout and `DeviceRows`, which carries the decode state on the device and
+does what the scheduler decides (prefill and admit rows, decode, harvest finished rows, compact, preempt).
 None of the speed or memory options changes what is sampled (tests compare each way against the other and
 greedy decoding against transformers' generate).
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.generate.kv import KVMemory, PrefixCache, paged_first_pool  # noqa: F401 (also re-exported)
+from marl_jax.generate import buckets
+from marl_jax.generate.block_pool import BlockPool
+from marl_jax.generate.buckets import length_bucket  # noqa: F401 (re-exported: the sampler's length rule)
 from marl_jax.generate.prefill import PREFILL_CHUNK
-from marl_jax.generate.programs import (DecodeState, Programs, SampleOutput, SamplingParams,  # noqa: F401
-                                        _batch_bucket, _next_smaller_bucket, length_bucket, resume_slots,
-                                        sample_tokens)
-from marl_jax.generate.scheduler import Scheduler, schedule_row_steps  # noqa: F401
-from marl_jax.models import sharding
-from marl_jax.models.decoder import ModelConfig, PagedCache
-from marl_jax.models.sharding import to_host
+from marl_jax.generate.prefix_cache import PrefixCache
+from marl_jax.generate.programs import ProgramConfig, Programs
+from marl_jax.generate.scheduler import Scheduler, SchedulerConfig, View
+from marl_jax.generate.types import DecodeState, SampleOutput, SamplingParams  # noqa: F401 (re-exported)
+from marl_jax.models import attention as attn
+from marl_jax.models import decoder, sharding
+from marl_jax.models.decoder import ModelConfig
+from marl_jax.models.sharding import to_device, to_host
 
 
-def _shared_prefix_len(prompts: Sequence[Sequence[int]], minimum: int = 16) -> int:
-    """Length of the prefix every prompt shares, rounded down to a length bucket (so few programs compile)
-    and leaving each prompt at least one token of its own (its last token's logits start decoding).
-    0 when there is one prompt or the shared part is under `minimum` tokens."""
-    if len(prompts) < 2:
-        return 0
-    n = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for p in prompts[1:]:
-        n = next((j for j in range(n) if p[j] != first[j]), n)
-    if n < minimum:
-        return 0
-    b = minimum
-    while length_bucket(b + 1, minimum) <= n:
-        b = length_bucket(b + 1, minimum)
-    return b
+class PromptLayout(NamedTuple):
+    """Where a call's prompts sit in the prefill cache (shared by every prefill of its rows, so they share
+    programs and the completion's first slot P): `hits` (prompt -> prefix-cache blocks) and `cached` (prompt
+    -> tokens loaded from them) with C the cached region, or a `prefix` of C tokens every prompt shares; each
+    prompt's rest left-padded to S slots after C."""
+    hits: dict
+    cached: dict
+    C: int
+    S: int
+    prefix: tuple
+
+    @property
+    def P(self) -> int:
+        return self.C + self.S
 
 
-class Sampler(Scheduler, KVMemory, Programs):
+class Sampler:
     """Generates completions for a list of token prompts.
 
     Parameters are arguments of the jitted programs (never closed over), so updating them does not
@@ -61,8 +63,9 @@ class Sampler(Scheduler, KVMemory, Programs):
     end), `compaction`, `share_prefix` (prefill a prefix all distinct prompts share once) and the prefix cache
     (`prefix_cache_tokens` > 0: keys and values of earlier calls' prompts and completions, reused by later
     prompts that extend them; see PrefixCache) only save work, and `paged` (a paged KV cache of `kv_block`-slot
-    blocks) only saves memory; turning them off gives the same completions (tests compare both ways), and so does
-    `prefill_chunk` (prompts prefilled in chunks of at most this many tokens: the bound on prefill memory).
+    blocks; "auto": buckets.paged_by_default) only saves memory; turning them off gives the same completions (tests
+    compare both ways), and so does `prefill_chunk` (prompts prefilled in chunks of at most this many tokens:
+    the bound on prefill memory).
     Compaction moves a tail down through 2 batch sizes per octave (2^k, 3 * 2^k) as its rows finish; a tail
     that has decoded `compaction_patience` steps without reaching the next size (its live rows are the long
     ones) is compacted onto the finer grid of `compaction_buckets` sizes per octave (2^k (1 + i / buckets)).
@@ -78,52 +81,64 @@ class Sampler(Scheduler, KVMemory, Programs):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
                  rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True,
-                 paged: bool = False, kv_block: int = 16, compaction_buckets: int = 16,
+                 paged: bool | str = "auto", kv_block: int = 16, compaction_buckets: int = 16,
                  compaction_patience: int = 64, prefill_chunk: int = PREFILL_CHUNK, kv_budget_bytes: int = 0,
                  max_batched_tokens: int = 0, check_blocks: bool = False, kv_dtype=None):
         from marl_jax.policy.lora import PolicySpec
 
         self.cfg = cfg
         self.spec = spec or PolicySpec()
-        self.lora_scale = self.spec.scale
         self.dtype = dtype
         # Keys and values are stored in kv_dtype (default: the compute dtype) and read back in the compute dtype:
         # bfloat16 halves the KV cache under float32 compute, and the TPU paged-attention kernel needs it.
         self.kv_dtype = jnp.dtype(kv_dtype or dtype)
-        self.max_batch = max_batch
-        self.pad_id = pad_id
-        self.mesh = mesh
-        self.rules = rules  # logical axis rules (marl_jax.models.sharding); None: the default table
-        self.compaction = compaction
-        self.continuous = continuous
-        self.share_prefix = share_prefix
+        self.max_batch, self.pad_id, self.mesh, self.rules = max_batch, pad_id, mesh, rules
+        self.continuous, self.share_prefix = continuous, share_prefix
         if kv_block < 1:
             raise ValueError(f"kv_block must be >= 1, got {kv_block}")
         if kv_budget_bytes < 0 or max_batched_tokens < 0:
             raise ValueError(f"kv_budget_bytes and max_batched_tokens must be >= 0 (0 = off), got "
                              f"{kv_budget_bytes}, {max_batched_tokens}")
+        if paged not in (True, False, "auto"):
+            raise ValueError(f"paged must be True, False or 'auto', got {paged!r}")
         # A KV budget fixes the paged pool's size: rows are admitted while their blocks fit and preempted
         # (recomputed later) when it runs dry, so the budget needs the paged cache.
-        self.kv_budget_bytes, self.max_batched_tokens = int(kv_budget_bytes), int(max_batched_tokens)
-        self.paged, self.kv_block = paged or self.kv_budget_bytes > 0, kv_block
-        self.check_blocks = check_blocks  # tests: check the pool's bookkeeping at every host step
+        self.kv_budget_bytes = int(kv_budget_bytes)
+        self.paged = (buckets.paged_by_default(jax.default_backend()) if paged == "auto" else paged) or \
+            self.kv_budget_bytes > 0
+        self.kv_block = kv_block
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         # A refill's prefill shares max_batched_tokens with the running rows: no chunk is longer.
-        self.prefill_chunk = min(prefill_chunk, max_batched_tokens) if max_batched_tokens else prefill_chunk
+        chunk = min(prefill_chunk, max_batched_tokens) if max_batched_tokens else prefill_chunk
         if compaction_buckets < 1:
             raise ValueError(f"compaction_buckets must be >= 1, got {compaction_buckets}")
         if compaction_patience < 1:
             raise ValueError(f"compaction_patience must be >= 1, got {compaction_patience}")
-        self.per_octave = compaction_buckets  # the fine grid: batch sizes per octave for a long tail
-        self.coarse = min(2, compaction_buckets)  # the grid compaction moves down through as rows finish
-        self.patience = compaction_patience
         self.data_size = sharding.row_count(mesh)  # rows are split over data x fsdp
-        self.min_batch = max(min_batch, self.data_size)
+        self.scheduling = SchedulerConfig(max_batch=max_batch, min_batch=max(min_batch, self.data_size),
+                                          shards=self.data_size, compaction=compaction, per_octave=compaction_buckets,
+                                          patience=compaction_patience, max_batched_tokens=int(max_batched_tokens),
+                                          check_blocks=check_blocks)
+        self.programs = Programs(ProgramConfig(cfg, self.spec, dtype, self.kv_dtype, pad_id, chunk, mesh, rules))
         self.stats: dict[str, Any] = {}
-        self._fns: dict[Any, Any] = {}
         self.prefix_cache = (PrefixCache(cfg, -(-prefix_cache_tokens // prefix_block), prefix_block, self.kv_dtype)
                              if prefix_cache_tokens > 0 else None)
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.programs.pc.prefill_chunk
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block (keys and values, every layer) on one device."""
+        c = self.cfg
+        model = 1 if self.mesh is None else self.mesh.shape.get("model", 1)
+        return buckets.block_bytes(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_block, self.kv_dtype.itemsize, model)
+
+    def kernel_decode(self) -> bool:
+        """Paged decode reads the pool in place through the paged-attention kernel (so no attention window is
+        needed: the kernel reads each row's own length)."""
+        return self.paged and attn.choose(self.cfg.attention, 1, 1, dtype=self.kv_dtype, pool=True) == "paged"
 
     def generate(self, params, prompts: Sequence[Sequence[int]], key: jax.Array, sp: SamplingParams, *,
                  max_new_tokens: Sequence[int] | None = None, trainable=None, slot: int = 0) -> SampleOutput:
@@ -138,7 +153,6 @@ class Sampler(Scheduler, KVMemory, Programs):
             np.minimum(np.asarray(max_new_tokens, np.int32), sp.max_new_tokens)
         out = SampleOutput(np.full((n, sp.max_new_tokens), self.pad_id, np.int32),
                            np.zeros((n, sp.max_new_tokens), np.float32), np.zeros(n, np.int32), np.zeros(n, bool))
-        self._stops, self._limits = tuple(sp.stop_ids), limits
         self.stats = {"prefill_rows": 0, "prefill_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_s": 0.0,
                       "decode_s": 0.0, "decode_steps": 0, "row_steps": 0, "compactions": 0, "fine_compactions": 0,
                       "refills": 0, "stored_tokens": 0, "peak_kv_bytes": 0, "peak_prefill_distinct": 0,
@@ -148,7 +162,6 @@ class Sampler(Scheduler, KVMemory, Programs):
                               recomputed_prompt_tokens=0, resumed_rows=0, resume_prefills=0)
         if self.prefix_cache is not None:
             self.prefix_cache.bind(params, trainable)
-        self._prompts = prompts
         # Longest prompts first, so each chunk's prompt bucket is tight.
         order = np.argsort([-len(p) for p in prompts], kind="stable")
         # Continuous batching runs every row through one batch of at most max_batch rows, refilled as rows
@@ -156,13 +169,14 @@ class Sampler(Scheduler, KVMemory, Programs):
         chunk = n if self.continuous else self.max_batch
         for start in range(0, n, chunk):
             idx = order[start:start + chunk]
-            self._generate_chunk(params, [prompts[i] for i in idx], idx, key, sp, limits[idx], trainable, slot, out)
+            self._generate_chunk(params, [prompts[i] for i in idx], idx, key, sp, limits[idx], trainable, slot, out,
+                                 prompts)
         self.stats["useful_row_steps"] = int(np.maximum(out.lengths - 1, 0).sum())
         return out
 
-    def _plan(self, prompts, slot_id: int) -> dict:
-        """The prompt layout of a call (shared by every prefill of its rows, so they share programs and the
-        completion's first slot P): distinct prompts, their cached blocks, the cached region C, rest S."""
+    def layout(self, prompts, slot_id: int) -> PromptLayout:
+        """The prompt layout of a call: its distinct prompts' cached blocks (the cached region C) or the prefix
+        they share, and the rest S."""
         uniq = list(dict.fromkeys(tuple(p) for p in prompts))
         # Prompts extending an earlier call's sequences load those keys and values from the prefix cache.
         pc = self.prefix_cache
@@ -178,28 +192,186 @@ class Sampler(Scheduler, KVMemory, Programs):
         else:
             hits, cached = {}, {}
             if self.share_prefix:
-                C = _shared_prefix_len(uniq)
+                C = buckets.shared_prefix_len(uniq)
                 cached, prefix = {p: C for p in uniq}, uniq[0][:C]
         # The prompt region P as a whole is a length bucket (not C + a bucket): P sets the shapes of the
         # decode programs (the cache window P + Tn), so a step whose prompts share a longer prefix reuses them.
         S = length_bucket(C + max(len(p) - cached.get(p, 0) for p in uniq)) - C
-        return dict(hits=hits, cached=cached, C=C, S=S, P=C + S, prefix=prefix)
+        return PromptLayout(hits, cached, C, S, tuple(prefix))
 
-    def _prefill(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, B, key, cache_len=None,
-                 gens=None):
-        """Prefill `prompts` (rows row_ids) into a fresh state of B rows laid out by `plan`, with a dense cache
-        of cache_len slots (default: the prompt and every new token; the paged path takes the prompt only).
-        gens (or None): per row, None or the (tokens, log-probs) it generated before it was preempted; those
-        rows' tokens but the last are prefilled after the prompt (the cache then needs P + G slots)."""
+    def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out, all_prompts):
+        Tn = length_bucket(sp.max_new_tokens)
+        lay = self.layout(prompts, int(slot))
+        sc = self.scheduling
+        B = sc.first_batch(len(prompts))
+        pool = None
+        if self.paged:
+            D, blk = self.data_size, self.kv_block
+            T = buckets.blocks_for(lay.P + Tn, blk) * blk
+            full = buckets.full_pool_blocks(B // D, lay.P, Tn, blk)
+            if self.kv_budget_bytes:  # a fixed pool: the budget's blocks
+                blocks = buckets.budget_pool_blocks(self.kv_budget_bytes, self.block_bytes(), full)
+            else:  # per shard, a first pool for its first rows' prompts; it grows as rows need more
+                first = prompts[:B]
+                distinct = max(len({tuple(p) for p in first[d * (B // D):(d + 1) * (B // D)]}) for d in range(D))
+                blocks = buckets.first_pool_blocks(B // D, distinct, lay.P, Tn, blk)
+            pool = BlockPool(D, blocks, blk, B // D, T // blk, full, fixed=bool(self.kv_budget_bytes))
+            if self.kv_budget_bytes:
+                self._refuse_oversized(prompts, limits, pool)
+        keys = [tuple(p) for p in prompts]
+        sched = Scheduler(sc, [(k, len(k)) for k in keys], pool, [lay.cached.get(k, 0) for k in keys])
+        rows = DeviceRows(self, params, trainable, int(slot), lay, sp, Tn, prompts, row_ids, limits, key, out, pool,
+                          B, all_prompts)
+        t0 = time.perf_counter()
+        sched.run(rows)
+        for k, v in sched.stats.items():
+            if k in self.stats:
+                self.stats[k] += v
+        self.stats["decode_s"] += time.perf_counter() - t0 - rows.admit_s
+
+    def _refuse_oversized(self, prompts, limits, pool: BlockPool):
+        """A row whose prompt and completion need more blocks than the budget's pool holds would never run:
+        refuse the call before sampling, naming the knobs."""
+        worst = max(len(pool.spans(len(p), int(n))) for p, n in zip(prompts, limits))
+        usable = pool.usable()
+        if worst > usable:
+            per = self.block_bytes()
+            raise ValueError(
+                f"one row needs {worst} KV blocks ({worst * per / 2**30:.3f} GiB: its prompt and up to "
+                f"{int(max(limits))} new tokens) but the KV budget holds {usable} "
+                f"({self.kv_budget_bytes / 2**30:.3f} GiB per device): raise --config.rollout.kv_budget_gb to at "
+                f"least {(worst + 2) * per / 2**30 * 1.02:.3f}, or lower --config.rollout.max_new_tokens or the "
+                "prompt's length")
+
+
+class DeviceRows:
+    """One call's batch on the device: the DecodeState, and the moves the scheduler asks for (the Rows protocol
+    of marl_jax.generate.scheduler). Rows are the call's `prompts` by index; on the device each carries its
+    global row id (`row_ids`), which keys its randomness."""
+
+    def __init__(self, sampler: Sampler, params, trainable, slot: int, layout: PromptLayout, sp: SamplingParams,
+                 Tn: int, prompts, row_ids, limits, key, out: SampleOutput, pool: BlockPool | None, B: int,
+                 all_prompts):
+        self.s, self.params, self.trainable, self.slot = sampler, params, trainable, slot
+        self.lay, self.sp, self.Tn, self.prompts, self.row_ids, self.limits = layout, sp, Tn, prompts, row_ids, limits
+        self.key, self.out, self.pool, self.B, self.all_prompts = key, out, pool, B, all_prompts
+        self.programs = sampler.programs
+        self.stats = sampler.stats
+        self.local = {int(r): i for i, r in enumerate(row_ids)}
+        self.gens: dict[int, tuple] = {}  # row -> (tokens, log-probs) of a preempted row, until it resumes
+        self.placed: dict[int, tuple[int, int]] = {}  # global row -> (cached tokens, P): where its prompt sits
+        self.admit_s = 0.0
+        self._view = None
+        self.state = self._empty_paged() if pool is not None else None
+
+    # ---- the host's view ----
+
+    def view(self) -> View:
+        if self._view is None:
+            if self.state is None:  # dense, before the first rows: fillers
+                z = np.zeros(self.B, np.int64)
+                self._view = View(np.zeros(self.B, bool), z + 1, z, z - 1)
+            else:
+                st = self.state
+                rid = to_host(st.row_id)
+                row = np.array([self.local.get(int(r), -1) for r in rid])
+                table = to_host(st.cache.table) if self.pool is not None else None
+                self._view = View(to_host(st.active), to_host(st.step), to_host(st.pos), row, table)
+        return self._view
+
+    def _set(self, state: DecodeState):
+        self.state, self._view = state, None
+
+    # ---- decode ----
+
+    def _window(self, v: View) -> int:
+        P, Tn = self.lay.P, self.Tn
+        if self.pool is not None:
+            T = self.pool.width * self.pool.block
+            if self.s.kernel_decode():  # the kernel reads each row's length: one program, no windows
+                return T
+        steps = np.where(v.active, v.step, 1)
+        window = next(w for w in buckets.decode_windows(P, Tn) if w >= P + steps.max())
+        if self.pool is not None:
+            window = min(buckets.blocks_for(window, self.pool.block) * self.pool.block, T)
+        return window
+
+    def decode(self, exit_at: int, max_steps: int) -> int:
+        v = self.view()
+        window = self._window(v)
+        state = self.state
+        if self.pool is not None:
+            pool = self.pool
+            newN = pool.grow(BlockPool.wanted(v.pos, v.active, v.table, pool.shards, pool.block))
+            if newN is not None:
+                c = state.cache
+                k, vv = self.programs.grow(newN)(c.k, c.v)
+                state = state._replace(cache=c._replace(k=k, v=vv))
+                self.stats["pool_grows"] += 1
+            free, top = pool.device_free()
+            state = state._replace(cache=state.cache._replace(free=to_device(free), top=to_device(top)))
+        fn = self.programs.decode(self.sp, self.lay.P, window)
+        state, it = fn(self.params, self.trainable, jnp.int32(self.slot), state, self.key, jnp.int32(exit_at),
+                       jnp.int32(max_steps))
+        self._set(state)
+        if self.pool is not None:
+            self.pool.popped(to_host(state.cache.top))
+        self._count_kv()
+        return int(it)
+
+    def _count_kv(self):
+        """Peak KV bytes: the decode cache as allocated (the pool, when paged) and, paged, the blocks in use."""
+        c = self.state.cache
+        self.stats["peak_kv_bytes"] = max(self.stats["peak_kv_bytes"], c.k.nbytes + c.v.nbytes)
+        if self.pool is not None:
+            p = self.pool
+            used = int((p.blocks - 1 - p.free_count()).sum())
+            self.stats["peak_kv_live_bytes"] = max(self.stats["peak_kv_live_bytes"],
+                                                   (c.k.nbytes + c.v.nbytes) * used // (p.shards * p.blocks))
+
+    # ---- rows in ----
+
+    def _empty_paged(self) -> DecodeState:
+        p, B, Tn = self.pool, self.B, self.Tn
+        cache = decoder.init_paged(self.s.cfg, p.blocks, p.block, B, p.width * p.block, p.shards, self.s.kv_dtype)
+        z = lambda: jnp.zeros(B, jnp.int32)  # distinct buffers: the state is donated
+        return DecodeState(cache, z(), z(), jnp.ones(B, jnp.int32), jnp.zeros(B, bool),
+                           jnp.full((B, Tn), self.s.pad_id, jnp.int32), jnp.zeros((B, Tn), jnp.float32),
+                           jnp.full(B, -1, jnp.int32), z())
+
+    def admit(self, rows: Sequence[int], slots: np.ndarray):
+        t0 = time.perf_counter()
+        rows = list(rows)
+        prompts = [self.prompts[i] for i in rows]
+        gens = [self.gens.pop(i, None) for i in rows]
+        ids, limits = self.row_ids[rows], self.limits[rows]
+        if self.pool is not None:
+            self._set(self._admit_paged(prompts, ids, limits, slots, gens))
+        elif self.state is None:  # the first rows: prefilled straight into the batch (slots 0..n-1)
+            self._set(self.prefill(prompts, ids, limits, self.B))
+        else:
+            Bg = buckets.batch_bucket(len(rows), 1, self.s.data_size)
+            new = self.prefill(prompts, ids, limits, Bg)
+            dest = np.full(Bg, len(self.view().active), np.int32)
+            dest[:len(rows)] = slots
+            self._set(self.programs.insert()(self.state, new, to_device(dest)))
+        self.admit_s += time.perf_counter() - t0
+
+    def prefill(self, prompts, row_ids, limits, B, cache_len=None, gens=None) -> DecodeState:
+        """Prefill `prompts` (rows row_ids) into a fresh state of B rows laid out by the call's layout, with a
+        dense cache of cache_len slots (default: the prompt and every new token; the paged path takes the prompt
+        only). gens (or None): per row, None or the (tokens, log-probs) it generated before it was preempted;
+        those rows' tokens but the last are prefilled after the prompt (the cache then needs P + G slots)."""
+        s, lay, Tn = self.s, self.lay, self.Tn
         n = len(prompts)
         uniq: dict[tuple, int] = {}
         expand = np.zeros(B, np.int32)
         for i, p in enumerate(prompts):  # identical prompts (the G episodes of a task) are prefilled once
             expand[i] = uniq.setdefault(tuple(p), len(uniq))
         # The distinct prompts at their own bucketed count (not min_batch: one long prompt is one row).
-        Bu = _batch_bucket(len(uniq), 1, self.data_size)
-        C, S, cached, hits, pc = plan["C"], plan["S"], plan["cached"], plan["hits"], self.prefix_cache
-        tokens = np.full((Bu, S), self.pad_id, np.int32)
+        Bu = buckets.batch_bucket(len(uniq), 1, s.data_size)
+        C, S, cached, hits, pc = lay.C, lay.S, lay.cached, lay.hits, s.prefix_cache
+        tokens = np.full((Bu, S), s.pad_id, np.int32)
         valid = np.zeros((Bu, S), bool)
         offset = np.zeros(Bu, np.int32)
         src = np.full((Bu, C), -1, np.int32) if hits else None
@@ -211,101 +383,90 @@ class Sampler(Scheduler, KVMemory, Programs):
             for j, b in enumerate(hits.get(p, ())):
                 src[u, j * pc.block:(j + 1) * pc.block] = b * pc.block + np.arange(pc.block)
         valid[len(uniq):, -1] = True  # filler rows: one dummy token so their softmax is well defined
-        pool = (pc.k, pc.v, jnp.asarray(src)) if hits else None
-        resume, G = None, 0
+        kv_pool = (pc.k, pc.v, to_device(src)) if hits else None
+        resume = None
         if gens is not None and any(x is not None for x in gens):
             g = np.zeros(B, np.int32)
-            prev_t = np.full((B, Tn), self.pad_id, np.int32)
+            prev_t = np.full((B, Tn), s.pad_id, np.int32)
             prev_l = np.zeros((B, Tn), np.float32)
             for i, x in enumerate(gens):
                 if x is not None:
                     g[i] = len(x[0])
                     prev_t[i, :g[i]], prev_l[i, :g[i]] = x
-            G = resume_slots(int(g.max()))
-            resume = (jnp.asarray(prev_t[:, :G]), jnp.asarray(prev_t), jnp.asarray(prev_l), jnp.asarray(g))
+            G = buckets.resume_slots(int(g.max()))
+            resume = (to_device(prev_t[:, :G]), to_device(prev_t), to_device(prev_l), to_device(g))
         rid = np.full(B, -1, np.int32)
         rid[:n] = row_ids
         max_len = np.zeros(B, np.int32)
         max_len[:n] = limits
         t0 = time.perf_counter()
-        state = self._prefill_fn(sp, cache_len or plan["P"] + Tn, Tn)(
-            params, trainable, jnp.int32(slot), jnp.asarray(np.asarray(plan["prefix"], np.int32)), jnp.asarray(tokens),
-            jnp.asarray(valid), jnp.asarray(offset), jnp.asarray(expand), jnp.asarray(max_len), jnp.asarray(rid),
-            key, pool, resume)
+        state = self.programs.prefill(self.sp, cache_len or lay.P + Tn, Tn)(
+            self.params, self.trainable, jnp.int32(self.slot), to_device(np.asarray(lay.prefix, np.int32)),
+            to_device(tokens), to_device(valid), to_device(offset), to_device(expand), to_device(max_len),
+            to_device(rid), self.key, kv_pool, resume)
         jax.block_until_ready(state.token)
-        self.stats["prefill_s"] += time.perf_counter() - t0
-        self.stats["prefill_rows"] += len(uniq)
+        st = self.stats
+        st["prefill_s"] += time.perf_counter() - t0
+        st["prefill_rows"] += len(uniq)
         # The dense caches this prefill built (distinct prompts, then every row): what marl_jax.plan counts.
-        self.stats["peak_prefill_distinct"] = max(self.stats["peak_prefill_distinct"], Bu)
-        self.stats["peak_prefill_rows"] = max(self.stats["peak_prefill_rows"], B)
-        self.stats["prefill_tokens"] += len(plan["prefix"]) + sum(len(p) - cached.get(p, 0) for p in uniq)
+        st["peak_prefill_distinct"] = max(st["peak_prefill_distinct"], Bu)
+        st["peak_prefill_rows"] = max(st["peak_prefill_rows"], B)
+        st["prefill_tokens"] += len(lay.prefix) + sum(len(p) - cached.get(p, 0) for p in uniq)
         if resume is not None:  # preempted rows computed again: their prompts (once per distinct one) and tokens
             gen_tokens = sum(len(x[0]) - 1 for x in gens if x is not None)
             again = sum(len(p) - cached.get(p, 0) for p in {tuple(p) for p, x in zip(prompts, gens) if x is not None})
-            self.stats["prefill_tokens"] += gen_tokens
-            self.stats["recomputed_tokens"] += gen_tokens + again
-            self.stats["recomputed_prompt_tokens"] += again
-            self.stats["resumed_rows"] += sum(x is not None for x in gens)
-            self.stats["resume_prefills"] += 1
-        self.stats["prompt_tokens"] += sum(len(p) for p in uniq)
+            st["prefill_tokens"] += gen_tokens
+            st["recomputed_tokens"] += gen_tokens + again
+            st["recomputed_prompt_tokens"] += again
+            st["resumed_rows"] += sum(x is not None for x in gens)
+            st["resume_prefills"] += 1
+        st["prompt_tokens"] += sum(len(p) for p in uniq)
         if hits:
-            self.stats["cached_tokens"] += sum(cached.get(p, 0) for p in uniq)
-        # Where each row's prompt tokens sit in the cache: its first `cached` tokens at slots [0, cached),
+            st["cached_tokens"] += sum(cached.get(p, 0) for p in uniq)
+        # Where each row's prompt tokens sit in a dense cache: its first `cached` tokens at slots [0, cached),
         # the rest ending at slot P (completion token t goes to slot P + t).
         for r, p in zip(row_ids, prompts):
-            self._layout[int(r)] = (cached.get(tuple(p), 0), plan["P"])
+            self.placed[int(r)] = (cached.get(tuple(p), 0), lay.P)
         return state
 
-    def _admit(self, params, trainable, slot, plan, sp, Tn, prompts, row_ids, limits, dest, state, key, gens=None):
-        """Paged: prefill `prompts` (a dense cache of the prompt slots only, and of the tokens preempted rows had
-        generated, `gens`), give each row blocks of its shard for the slots it fills, and write the rows into batch
-        rows `dest` of the running state."""
-        P, n = plan["P"], len(prompts)
-        gens = gens if gens is not None else [None] * n
+    def _admit_paged(self, prompts, row_ids, limits, dest, gens) -> DecodeState:
+        """Prefill `prompts` (a dense cache of the prompt slots only, and of the tokens preempted rows had
+        generated), give each row blocks of its shard for the slots it fills, and write the rows into batch rows
+        `dest` of the running state."""
+        pool, P, n = self.pool, self.lay.P, len(prompts)
         glen = [0 if x is None else len(x[0]) for x in gens]
-        G = resume_slots(max(glen)) if any(glen) else 0
-        Bg = _batch_bucket(n, 1, self.data_size)
-        new = self._prefill(params, trainable, int(slot), plan, sp, Tn, prompts, row_ids, limits, Bg, key,
-                            cache_len=P + G, gens=gens + [None] * (Bg - n))
-        c = state.cache
-        B, M, D = state.active.shape[0], c.table.shape[1], c.shards
-        shard = np.asarray(dest) // (B // D)
-        spans = [self._spans(p, M, g) for p, g in zip(prompts, glen)]
-        need = self._admission_need(shard, prompts, spans, D)[-1]
-        fresh = {(int(d), tuple(p), int(j)) for d, p, js in zip(shard, prompts, spans) for j in js
-                 if j < self._shared_blocks(p) and j not in self._shared.get((int(d), tuple(p)), {})}
-        state = self._ensure_blocks(state, need)
-        c = state.cache
-        lists = self._free_lists(c)
-        table = np.zeros((Bg, M), np.int32)
-        write = np.zeros((Bg, M), np.int32)  # blocks this call fills (not those earlier rows filled and hold)
-        for u, (d, p, js) in enumerate(zip(shard, prompts, spans)):
-            d = int(d)
-            key_p = (d, tuple(p))
-            mine = self._shared.setdefault(key_p, {})
-            for j in js:
-                if j >= self._shared_blocks(p):  # the row's own block
-                    table[u, j] = write[u, j] = lists[d].pop()
-                    continue
-                if j not in mine:
-                    mine[j] = lists[d].pop()
-                    self._block_key[(d, mine[j])] = key_p
-                if (d, tuple(p), int(j)) in fresh:  # filled by this call's prefill (identical for every row)
-                    write[u, j] = mine[j]
-                table[u, j] = mine[j]
-                self._refs[(d, mine[j])] = self._refs.get((d, mine[j]), 0) + 1
-        state = state._replace(cache=self._with_free(c, lists))
+        G = buckets.resume_slots(max(glen)) if any(glen) else 0
+        Bg = buckets.batch_bucket(n, 1, self.s.data_size)
+        new = self.prefill(prompts, row_ids, limits, Bg, cache_len=P + G, gens=gens + [None] * (Bg - n))
+        B = self.B if self.state is None else self.state.active.shape[0]
+        shard = np.asarray(dest) // (B // pool.shards)
+        keys = [(tuple(p), len(p)) for p in prompts]
+        spans = [pool.spans(len(p), g) for p, g in zip(prompts, glen)]
+        newN = pool.grow(pool.admission_need(shard, keys, spans)[-1])
+        state = self.state
+        if newN is not None:
+            c = state.cache
+            k, v = self.programs.grow(newN)(c.k, c.v)
+            state = state._replace(cache=c._replace(k=k, v=v, free=jnp.zeros((pool.shards, newN), jnp.int32)))
+            self.stats["pool_grows"] += 1
+        table = np.zeros((Bg, pool.width), np.int32)
+        write = np.zeros((Bg, pool.width), np.int32)
+        table[:n], write[:n] = pool.assign(shard, keys, spans)
         to = np.full(Bg, B, np.int32)
         to[:n] = dest
         sh = np.zeros(Bg, np.int32)
         sh[:n] = shard
-        return self._paged_insert_fn()(state, new, jnp.asarray(to), jnp.asarray(table), jnp.asarray(write),
-                                       jnp.asarray(sh))
+        free, top = pool.device_free()
+        return self.programs.paged_insert()(state, new, to_device(to), to_device(table), to_device(write),
+                                            to_device(sh), to_device(free), to_device(top))
 
-    def _harvest(self, state: DecodeState, out: SampleOutput, slot: int = 0, final: bool = False):
+    # ---- rows out ----
+
+    def harvest(self, final: bool):
         """Copy the results of every real row that finished (every real row when `final`) to the host output,
         and their keys and values to the prefix cache; a harvested row's place can then be reused (paged:
-        its blocks go back to the pool). Returns the state."""
+        its blocks go back to the pool)."""
+        state, out = self.state, self.out
         rid = to_host(state.row_id)
         done = (rid >= 0) & (np.ones_like(rid, bool) if final else ~to_host(state.active))
         toks = to_host(state.out_tokens)[done]
@@ -313,38 +474,63 @@ class Sampler(Scheduler, KVMemory, Programs):
         steps = to_host(state.step)[done]
         rows = rid[done]
         Tn_out = out.tokens.shape[1]
+        stops = self.sp.stop_ids
         # A row's length: up to and including its stop token, capped by its limit and its step count.
-        stops = np.isin(toks, np.asarray(self._stops)) if self._stops else np.zeros(toks.shape, bool)
+        hit_stop = np.isin(toks, np.asarray(stops)) if stops else np.zeros(toks.shape, bool)
         for j, r in enumerate(rows):
-            hit = np.flatnonzero(stops[j, :steps[j]])
+            hit = np.flatnonzero(hit_stop[j, :steps[j]])
             length = hit[0] + 1 if len(hit) else int(steps[j])
-            length = min(length, int(self._limits[r]), Tn_out)
+            length = min(length, int(self.limits[self.local[int(r)]]), Tn_out)
             out.tokens[r, :length] = toks[j, :length]
             out.logprobs[r, :length] = lps[j, :length]
-            out.tokens[r, length:] = self.pad_id
+            out.tokens[r, length:] = self.s.pad_id
             out.logprobs[r, length:] = 0.0
             out.lengths[r] = length
             out.finished[r] = bool(len(hit)) and hit[0] < length
-        if self.prefix_cache is not None:
-            self._store(state, slot, [(int(b), int(r)) for b, r in zip(np.flatnonzero(done), rows)], out)
-        if isinstance(state.cache, PagedCache) and not final:
-            state = self._release(state, done)
-        return state
+        if self.s.prefix_cache is not None:
+            self._store([(int(b), int(r)) for b, r in zip(np.flatnonzero(done), rows)])
+        if self.pool is not None and not final:
+            self._release(done)
 
-    def _store(self, state: DecodeState, slot: int, rows: list[tuple[int, int]], out: SampleOutput):
+    def _release(self, done: np.ndarray):
+        """Paged: batch rows `done` give their blocks back to their shard and become fillers (row id -1)."""
+        state = self.state
+        table = to_host(state.cache.table).copy()
+        per = len(table) // self.pool.shards
+        for r in np.flatnonzero(done):
+            self.pool.release(int(r) // per, table[r][table[r] > 0])
+        table[done] = 0
+        rid = np.where(done, -1, to_host(state.row_id)).astype(np.int32)
+        self._set(state._replace(row_id=to_device(rid), active=to_device(to_host(state.active) & ~done),
+                                 cache=state.cache._replace(table=to_device(table))))
+
+    def preempt(self, slot: int) -> int:
+        st = self.state
+        r = int(to_host(st.row_id)[slot])
+        g = int(to_host(st.step)[slot])
+        self.gens[self.local[r]] = (to_host(st.out_tokens)[slot, :g].copy(), to_host(st.out_logp)[slot, :g].copy())
+        done = np.zeros(st.active.shape[0], bool)
+        done[slot] = True
+        self._release(done)
+        return g
+
+    def compact(self, idx: np.ndarray, keep: np.ndarray):
+        self._set(self.programs.gather()(self.state, to_device(idx), to_device(keep)))
+
+    def _store(self, rows: list[tuple[int, int]]):
         """Copy the full blocks of finished rows' sequences (prompt and completion but its last token, which
         was never fed back) into the prefix cache: one gather-scatter program per bucket of token count."""
-        pc = self.prefix_cache
+        pc, out = self.s.prefix_cache, self.out
         src_row, src_slot, dst = [], [], []
         taken: set = set()
         for b, r in rows:
-            prompt = list(self._prompts[r])
+            prompt = list(self.all_prompts[r])
             n = int(out.lengths[r])
             seq = prompt + out.tokens[r, :n - 1].tolist()
-            cached, P = self._layout[r]
-            for start, block in pc.reserve(slot, seq, taken):
+            cached, P = self.placed[r]
+            for start, block in pc.reserve(self.slot, seq, taken):
                 j = np.arange(start, start + pc.block)
-                if isinstance(state.cache, PagedCache):  # compacted: token j in slot j
+                if self.pool is not None:  # compacted: token j in slot j
                     slots = j
                 else:
                     slots = np.where(j < cached, j, np.where(j < len(prompt), P - len(prompt) + j, P + j - len(prompt)))
@@ -356,7 +542,7 @@ class Sampler(Scheduler, KVMemory, Programs):
         m = length_bucket(len(dst), 256)
         pad = m - len(dst)
         pc.ensure()
-        idx = [jnp.asarray(np.asarray(a + [f] * pad, np.int32)) for a, f in
+        idx = [to_device(np.asarray(a + [f] * pad, np.int32)) for a, f in
                ((src_row, 0), (src_slot, 0), (dst, pc.num_blocks * pc.block))]
-        pc.k, pc.v = self._store_fn()(pc.k, pc.v, state.cache, *idx)
+        pc.k, pc.v = self.programs.store()(pc.k, pc.v, self.state.cache, *idx)
         self.stats["stored_tokens"] += len(dst)

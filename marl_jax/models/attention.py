@@ -37,10 +37,13 @@ Decode over the sampler's paged KV pool (marl_jax.models.decoder.PagedCache) has
   bfloat16) and rows whose valid slots are a prefix of their slots (a `cached` layout with right_padded:
   the kernel's only validity model is a length per row, no start offset, no holes). Under a mesh it runs
   per device in `shard_map`.
-- the gather path (everything else: CPU, GPU, float32 pools, rows with holes such as left-padded prompts
-  or a prefix-cache gap): each row's window of blocks is gathered to [B, W, Hkv, hd] and attended by the
-  implementation chosen as for a dense cache (dense for decode). An explicit "splash" that cannot take
-  the kernel says so once in the log.
+- "paged_fused" (GPU: "auto" there, or an explicit "cudnn" on any backend): `paged_fused`, the scores and
+  the output as reductions whose operands index the pool in place, so a backend that fuses indexing into
+  reductions reads each row's pages once. jax has no maintained paged decode kernel for GPU (its
+  Pallas-Triton ops are deprecated; tokamax's kernels refuse paging).
+- the gather path (everything else: CPU, float32 pools on TPU): each row's window of blocks is gathered
+  to [B, W, Hkv, hd] and attended by the implementation chosen as for a dense cache (dense for decode).
+  An explicit "splash" that cannot take the kernel says so once in the log.
 """
 from __future__ import annotations
 
@@ -398,26 +401,18 @@ def _paged_block(pages_per_row: int, cap: int = 8) -> int:
 def paged_decode(q, k_pool, v_pool, layer, table, lengths, *, interpret: bool = False, mesh=None):
     """One query per row over a paged KV pool, with jax's Pallas paged-attention kernel (TPU).
 
-    q [B, 1, Hq, hd]; k_pool, v_pool: the whole pool [L, D, N, blk, Hkv, hd] (marl_jax.models.decoder.
-    PagedCache: D row shards of N blocks, row b in shard b // (B / D)); layer: which layer (traced);
-    table [B, M]: each row's blocks in its shard; lengths [B] int32: row b sees its slots [0, lengths[b]).
-    The kernel's validity model is that prefix and nothing else (no start offset, no holes), so the caller
-    uses this only for rows whose valid slots are a prefix (a `cached` Layout with right_padded=True).
-    Returns [B, 1, Hq * hd].
+    q [B, 1, Hq, hd]; k_pool, v_pool: the whole stacked pool [Hkv, L, D, N, blk, hd] (marl_jax.models.decoder.
+    PagedCache: D row shards of N blocks, row b in shard b // (B / D)); layer: which layer (traced); table
+    [B, M]: each row's blocks in its shard; lengths [B] int32: row b sees its slots [0, lengths[b]). The kernel's
+    validity model is that prefix and nothing else (no start offset, no holes): the sampler's pool holds rows
+    compacted (token p in slot p). Returns [B, 1, Hq * hd].
 
-    How the pool is handed to the kernel: the kernel reads pages [Hkv, pages, page, hd], heads first; our
-    pool keeps a block's heads inside it ([blk, Hkv, hd]). Rather than transposing, the layer's pool is
-    viewed as one "KV head" of width Hkv * hd ([D * N, blk, Hkv * hd], a reshape) and each query is placed
-    in its KV head's hd-wide lane block of a zero vector of that width: q' . k' = q . k_h exactly, and query
-    j's output is the lane block of its KV head. Each page is read once for all heads, at Hkv times the
-    matmul work (idle in decode, which is bound by memory). Rows of shard d address pages d * N + block.
-    Compiled for one TPU chip, XLA makes that view a copy of the layer's pool (most likely because the
-    tiled HBM layouts of [blk, Hkv, hd] and [blk, Hkv * hd] differ): 0.126 GiB of temporaries for a 32k-token
-    Qwen3-0.6B pool, against 0.50 GiB for gathering 64 rows x 4096 slots. Inside shard_map over 8 chips a
-    v5e showed no copy in HBM (0.5 MiB; it sat in VMEM), a v5p does copy (2 copies with 2-3 KV heads a
-    device, 3 with 4+, none with 1: what marl_jax.plan counts). Each decode step then moves about 1.5x a
-    layer's pool per layer; a pool stored [L, D, N, blk, Hkv * hd] (heads merged into lanes) or heads first
-    makes the view free everywhere (1 MiB; benchmarks/attention.py --decode) and is the next step.
+    The pool reaches the kernel without a copy: it reshapes for free (a bitcast) to the kernel's pages [Hkv,
+    L * D * N, blk, hd], and a row's page j of layer l is page (l * D + shard) * N + table[j], so nothing is
+    sliced out per layer. Compiled for a v5p chip a whole decode step then moves about 1.1x its minimum bytes
+    (benchmarks/decode_bytes.py); slicing the layer out of the stacked pool and viewing it as pages was two
+    copies of the layer's pool per step, and a pool with a block's heads in its lanes needs each query placed
+    in its head's lanes (Hkv times the queries' and outputs' bytes).
 
     Precision: the kernel rounds keys and values to bfloat16 as it loads them (its dequantisation step),
     so it equals the gather path exactly only for a bfloat16 pool; `choose` takes it only then.
@@ -429,23 +424,25 @@ def paged_decode(q, k_pool, v_pool, layer, table, lengths, *, interpret: bool = 
         raise ValueError(f"paged_decode takes one query per row, got {S}")
 
     def run(q, k_pool, v_pool, table, lengths, layer):
-        L, D, N, blk, Hkv, _ = k_pool.shape
-        Bl, M = table.shape[0], table.shape[1]
-        Hq_l = q.shape[2]
-        g = Hq_l // Hkv
-        own = (jnp.arange(Hq_l) // g)[:, None] == jnp.arange(Hkv)[None]  # [Hq, Hkv]: query j's KV head
-        qs = (q[:, 0] * (1.0 / math.sqrt(hd))).astype(q.dtype)
-        qw = jnp.where(own[None, :, :, None], qs[:, :, None, :], 0).reshape(Bl, Hq_l, Hkv * hd)
+        Hkv, L, D, N, blk, _ = k_pool.shape
+        Bl, M = table.shape
         shard = jnp.arange(Bl) // (Bl // D)
-        pages = shard[:, None] * N + table
-        at = lambda pool: jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False).reshape(1, D * N, blk, Hkv * hd)
-        kp, vp = at(k_pool), at(v_pool)
+        pages = (layer * D + shard[:, None]) * N + table
+        view = lambda pool: pool.reshape(Hkv, L * D * N, blk, hd)
+        if interpret and mesh is not None:
+            # jax's TPU interpreter on CPU deadlocks (in its buffer allocation callback) when the kernel inside
+            # shard_map is handed the whole pool operand; there the layer is sliced out first. The whole-pool
+            # page arithmetic is what the one-device interpreted tests and the compiled TPU program run.
+            view = lambda pool: jax.lax.dynamic_index_in_dim(pool, layer, 1, keepdims=False).reshape(
+                Hkv, D * N, blk, hd)
+            pages = shard[:, None] * N + table
+        qs = (q[:, 0] * (1.0 / math.sqrt(hd))).astype(q.dtype)
 
         def call():
             # A filler row holds no slot (length 0): it reads its null block's first slot instead of
             # dividing by an empty softmax (its output is never used).
-            return paged_attention(qw, kp, vp, jnp.maximum(lengths, 1).astype(jnp.int32), pages.astype(jnp.int32),
-                                   pages_per_compute_block=_paged_block(M))
+            return paged_attention(qs, view(k_pool), view(v_pool), jnp.maximum(lengths, 1).astype(jnp.int32),
+                                   pages.astype(jnp.int32), pages_per_compute_block=_paged_block(M))
 
         if interpret:
             from jax.experimental.pallas import tpu as pltpu
@@ -453,20 +450,51 @@ def paged_decode(q, k_pool, v_pool, layer, table, lengths, *, interpret: bool = 
                 out = call()
         else:
             out = call()
-        out = jnp.where(own[None, :, :, None], out.reshape(Bl, Hq_l, Hkv, hd), 0).sum(2)
-        return out.reshape(Bl, 1, Hq_l * hd).astype(q.dtype)
+        return out.reshape(Bl, 1, -1).astype(q.dtype)
 
     if mesh is not None:
         from jax.sharding import PartitionSpec as P
         from marl_jax.models.axes import ROW_AXES
-        Hkv = k_pool.shape[4]
+        Hkv = k_pool.shape[0]
         rows_ax = tuple(a for a in ROW_AXES if mesh.shape.get(a, 1) > 1) or None
         heads = "model" if mesh.shape.get("model", 1) > 1 and Hkv % mesh.shape["model"] == 0 else None
-        pool = P(None, rows_ax, None, None, heads, None)
+        pool = P(heads, None, rows_ax, None, None, None)
         run = jax.shard_map(run, mesh=mesh, in_specs=(P(rows_ax, None, heads, None), pool, pool,
                                                       P(rows_ax, None), P(rows_ax), P()),
                             out_specs=P(rows_ax, None, heads), check_vma=False)
     return run(q, k_pool, v_pool, table, lengths, jnp.asarray(layer, jnp.int32))
+
+
+def paged_fused(q, k_pool, v_pool, layer, table, lengths):
+    """One query per row over the stacked paged pool (as paged_decode takes it) in plain XLA, written so that
+    each row's pages are read once: the scores and the output are reductions (multiply and sum, not dots)
+    whose operands index the pool in place, so a backend that fuses the indexing into the reduction (XLA:GPU's
+    input fusion) never materialises the gathered rows; the gather path (paged_read, then dense attention)
+    writes them out and reads them back, three passes over the window's keys and values. Rows past their
+    length read their table's null block. Correct on every backend (tests compare it with the gather path);
+    whether it is the fastest GPU path is measured by benchmarks/accelerator.py. Returns [B, 1, Hq * hd]."""
+    B, S, Hq, hd = q.shape
+    if S != 1:
+        raise ValueError(f"paged_fused takes one query per row, got {S}")
+    Hkv, L, D, N, blk, _ = k_pool.shape
+    g = Hq // Hkv
+    W = table.shape[1] * blk
+    acc = _acc(q.dtype)
+
+    def pages(pool):  # each row's window of its shard's pages, [Hkv, B, W, 1, hd]; by shard, as paged_read
+        if D == 1:
+            x = pool[:, layer, 0, table]
+        else:
+            x = jax.vmap(lambda p, t: p[:, layer, t], in_axes=(2, 0), out_axes=1)(pool, table.reshape(D, B // D, -1))
+        return x.reshape(Hkv, B, W, 1, hd)
+
+    qg = (q[:, 0].astype(acc) * (1.0 / math.sqrt(hd))).reshape(B, Hkv, g, hd).transpose(1, 0, 2, 3)[:, :, None]
+    scores = jnp.sum(qg * pages(k_pool).astype(acc), axis=-1)  # [Hkv, B, W, g]
+    seen = jnp.arange(W)[None] < jnp.maximum(lengths, 1)[:, None]
+    scores = jnp.where(seen[None, :, :, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=2)
+    out = jnp.sum(probs[..., None] * pages(v_pool).astype(acc), axis=2)  # [Hkv, B, g, hd]
+    return out.transpose(1, 0, 2, 3).reshape(B, 1, Hq * hd).astype(q.dtype)
 
 
 # ---- GPU: cuDNN ----
@@ -528,7 +556,9 @@ def choose(impl: str, S: int, T: int, backend: str | None = None, layout: Layout
     (jax's Pallas paged-attention kernel, `paged_decode`) with "auto" on TPU and with an explicit "splash"
     on any backend ("splash" means "the TPU kernels"; on CPU only in Pallas interpret mode), when the
     layout is one it expresses (one query per row, each row's valid slots a prefix: a `cached` layout with
-    right_padded, a bfloat16 pool). Otherwise the pool's blocks are gathered and attended as below."""
+    right_padded, a bfloat16 pool). On GPU ("auto" there, or an explicit "cudnn" anywhere) it is
+    "paged_fused" (`paged_fused`: reductions over the pages indexed in place). Otherwise the pool's blocks
+    are gathered and attended as below."""
     if impl not in IMPLS:
         raise ValueError(f"model.attention must be one of {IMPLS}, got {impl!r}")
     if pool and (impl == "splash" or (impl == "auto" and (backend or jax.default_backend()) == "tpu")):
@@ -538,6 +568,10 @@ def choose(impl: str, S: int, T: int, backend: str | None = None, layout: Layout
             _once(f"the paged-attention kernel needs one query per row, rows whose valid slots are a prefix "
                   f"(right_padded) and a bfloat16 pool (got right_padded={getattr(layout, 'right_padded', None)}, "
                   f"{jnp.dtype(dtype).name}): decode gathers the pool's blocks instead")
+    gpu = (backend or jax.default_backend()) in ("gpu", "cuda", "rocm")
+    if pool and S == 1 and (impl == "cudnn" or (impl == "auto" and gpu)) and (
+            layout is None or (layout.kind == "cached" and layout.right_padded)):
+        return "paged_fused"  # "cudnn" means "the GPU paths", as "splash" means the TPU kernels
     if impl in ("splash", "cudnn") and S == 1:  # decode: one query per row, nothing for a kernel to tile
         return "dense"
     if impl != "auto":

@@ -206,39 +206,54 @@ KVCache.AXES = KV_AXES  # read by marl_jax.models.sharding.constrain_state
 
 class PagedCache(NamedTuple):
     """A paged KV cache: keys and values live in a pool of blocks of `blk` slots, one pool part per row
-    shard (k, v [L, D, N, blk, Hkv, hd]: D the devices rows are split over, 1 without a mesh, N blocks
-    each). Row b belongs to shard b // (B / D), and its slot j is slot j % blk of that shard's block
-    table[b, j // blk] ([B, M], so a row addresses M * blk slots). Rows hold blocks only where they have
-    tokens: memory follows the live tokens, not rows x maximum length, and each device keeps its own
-    rows' blocks. Block 0 of each shard is its null block: unallocated table entries point there, it is
-    never marked valid, and rows with nothing to write scribble on it.
+    shard (k, v [Hkv, L, D, N, blk, hd]: KV heads first, then layers, D the devices rows are split over, 1
+    without a mesh, N blocks each). Row b belongs to shard b // (B / D), and its slot j is slot j % blk of that
+    shard's block table[b, j // blk] ([B, M], so a row addresses M * blk slots). Rows hold blocks only where
+    they have tokens: memory follows the live tokens, not rows x maximum length, and each device keeps its own
+    rows' blocks. Block 0 of each shard is its null block: unallocated table entries point there, and rows
+    with nothing to write scribble on it.
+
+    A row's token at position p sits in its slot p, so its valid slots are a prefix: [0, pos) before a
+    decode step writes slot pos (DecodeState.pos). No per-slot flag is kept; attention takes lengths.
+
+    Why this layout: it reshapes for free (a bitcast) to the pages jax's Pallas paged-attention kernel reads,
+    [Hkv, L * D * N, blk, hd] (a layer's pages offset by layer * D * N), so TPU decode hands the kernel the
+    whole stacked pool and nothing is sliced or copied per layer; the new keys and values are scattered into
+    it in place.
 
     free [D, N] / top [D]: shard d's free blocks are free[d, :top[d]] (a stack the decode loop pops from
-    as rows grow). valid [B, M * blk] as in KVCache."""
+    as rows grow)."""
 
     k: jax.Array
     v: jax.Array
     table: jax.Array
-    valid: jax.Array
     free: jax.Array
     top: jax.Array
 
     @property
     def block(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[4]
 
     @property
     def shards(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
+
+    @property
+    def blocks(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def length(self) -> int:
+        """Slots a row addresses."""
+        return self.table.shape[1] * self.block
 
     def map_batch(self, fn) -> "PagedCache":
         """Rows move by their block tables; the pool stays where it is (callers keep rows in their shard)."""
-        return self._replace(table=fn(self.table, 0), valid=fn(self.valid, 0))
+        return self._replace(table=fn(self.table, 0))
 
 
-PAGED_AXES = PagedCache(("layers", "batch", None, None, "act_kv_heads", None),
-                        ("layers", "batch", None, None, "act_kv_heads", None),
-                        ("batch", None), ("batch", None), ("batch", None), ("batch",))
+_POOL_AXES = ("act_kv_heads", "layers", "batch", None, None, None)
+PAGED_AXES = PagedCache(_POOL_AXES, _POOL_AXES, ("batch", None), ("batch", None), ("batch",))
 PagedCache.AXES = PAGED_AXES
 
 
@@ -249,33 +264,39 @@ def init_paged(cfg: ModelConfig, blocks: int, block: int, batch: int, length: in
         raise ValueError(f"paged cache length {length} is not a multiple of the block size {block}")
     if batch % shards:
         raise ValueError(f"paged cache rows ({batch}) must split evenly over {shards} shards")
-    L, H, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     free = np.zeros((shards, blocks), np.int32)
     free[:, :blocks - 1] = np.arange(blocks - 1, 0, -1)  # popped from the top: 1, 2, ... first
-    shape = (L, shards, blocks, block, H, d)
-    return PagedCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                      jnp.zeros((batch, length // block), jnp.int32), jnp.zeros((batch, length), bool),
+    shape = (cfg.num_kv_heads, cfg.num_layers, shards, blocks, block, cfg.head_dim)
+    return PagedCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, length // block), jnp.int32),
                       jnp.asarray(free), jnp.full((shards,), blocks - 1, jnp.int32))
 
 
 def paged_write(pool: jax.Array, layer, blocks: jax.Array, offsets: jax.Array, values: jax.Array) -> jax.Array:
-    """pool [L, D, N, blk, ...] with values [B, S, ...] written at layer `layer`, each row's shard's blocks
-    [B, S] and offsets [B, S]. A vmap over the shard axis: the scatter is partitioned shard by shard."""
-    D = pool.shape[1]
+    """pool [Hkv, L, D, N, blk, hd] with values [B, S, Hkv, hd] written at layer `layer`, each row's shard's
+    blocks [B, S] and offsets [B, S]: one scatter into the stacked pool, in place (no layer is sliced out).
+    Over several shards a vmap over the shard axis, so the scatter is partitioned shard by shard."""
+    D = pool.shape[2]
+    x = values.transpose(2, 0, 1, 3).astype(pool.dtype)  # [Hkv, B, S, hd]
+    # Every axis but hd indexed (the head too, not sliced): XLA:TPU scatters rows of hd in place; with the
+    # head axis sliced (a window of [Hkv, hd]) it copied the whole pool at every layer.
+    h = jnp.arange(pool.shape[0])[:, None, None]
     if D == 1:  # XLA:CPU runs the plain scatter faster than one with a batch dimension
-        return pool.at[layer, 0, blocks, offsets].set(values.astype(pool.dtype))
-    split = lambda x: x.reshape((D, x.shape[0] // D) + x.shape[1:])
-    return jax.vmap(lambda p, b, o, x: p.at[layer, b, o].set(x.astype(p.dtype)), in_axes=(1, 0, 0, 0),
-                    out_axes=1)(pool, split(blocks), split(offsets), split(values))
+        return pool.at[h, layer, 0, blocks[None], offsets[None]].set(x)
+    split = lambda a, axis=0: a.reshape(a.shape[:axis] + (D, a.shape[axis] // D) + a.shape[axis + 1:])
+    return jax.vmap(lambda p, b, o, v: p.at[h, layer, b[None], o[None]].set(v), in_axes=(2, 0, 0, 1),
+                    out_axes=2)(pool, split(blocks), split(offsets), split(x, 1))
 
 
 def paged_read(pool: jax.Array, layer, blocks: jax.Array) -> jax.Array:
-    """Each row's blocks [B, nb] of layer `layer` from its shard's pool: [B, nb * blk, ...]."""
-    D, B = pool.shape[1], blocks.shape[0]
+    """Each row's blocks [B, nb] of layer `layer` from its shard's pool: [B, nb * blk, Hkv, hd]."""
+    Hkv, _, D, _, blk, hd = pool.shape
+    B = blocks.shape[0]
     if D == 1:
-        return pool[layer, 0, blocks].reshape((B, -1) + pool.shape[4:])
-    out = jax.vmap(lambda p, b: p[layer, b], in_axes=(1, 0))(pool, blocks.reshape(D, B // D, -1))
-    return out.reshape((B, -1) + pool.shape[4:])
+        x = pool[:, layer, 0, blocks]  # [Hkv, B, nb, blk, hd]
+    else:
+        x = jax.vmap(lambda p, b: p[:, layer, b], in_axes=(2, 0), out_axes=1)(pool, blocks.reshape(D, B // D, -1))
+        x = x.reshape((Hkv, B) + x.shape[3:])
+    return x.transpose(1, 2, 3, 0, 4).reshape(B, -1, Hkv, hd)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
@@ -383,19 +404,21 @@ class Block(_Sharded):
         q = rope(q, positions, cfg.rope_theta)
         k = rope(k, positions, cfg.rope_theta)
         if self.cached and self.paged:
-            # Paged: write this step's keys and values into the rows' blocks, then read each row's
-            # first W slots back through its block table.
+            # Paged: this step's keys and values scattered into the rows' blocks of the stacked pool (in
+            # place), then attention over each row's first W slots through its block table.
             _, k_pool, v_pool, i = carry
             widx, table = write_index
-            W, blk = self.window, k_pool.shape[3]
+            W, blk = self.window, k_pool.shape[4]
             slots = widx[:, None] + jnp.arange(S)  # [B, S]
             blocks = jnp.take_along_axis(table, slots // blk, axis=1)
             k_pool = paged_write(k_pool, i, blocks, slots % blk, k)
             v_pool = paged_write(v_pool, i, blocks, slots % blk, v)
             read = table[:, :W // blk]
-            if attn.choose(cfg.attention, S, W, layout=layout, dtype=k_pool.dtype, pool=True) == "paged":
-                # TPU decode: the Pallas paged-attention kernel reads the rows' pages in place.
-                a = attn.paged_decode(q, k_pool, v_pool, i, read, layout.kv_seg.sum(-1), mesh=self.mesh)
+            how = attn.choose(cfg.attention, S, W, layout=layout, dtype=k_pool.dtype, pool=True)
+            if how == "paged":  # TPU decode: the Pallas kernel reads the rows' pages of the whole pool in place
+                a = attn.paged_decode(q, k_pool, v_pool, i, read, widx + S, mesh=self.mesh)
+            elif how == "paged_fused":  # GPU decode: reductions over the rows' pages indexed in place
+                a = attn.paged_fused(q, k_pool, v_pool, i, read, widx + S)
             else:  # gather the rows' blocks, then attend as over a dense cache
                 a = attn.attention(q, paged_read(k_pool, i, read).astype(q.dtype),
                                    paged_read(v_pool, i, read).astype(q.dtype), layout, cfg.attention, mesh=self.mesh)
@@ -496,25 +519,39 @@ class Decoder(_Sharded):
                 positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
                 hidden = self._layers(x, positions, attn.causal(valid, right_padded))
             else:
-                S, T = tokens.shape[1], cache.valid.shape[1]
+                paged = isinstance(cache, PagedCache)
+                S, T = tokens.shape[1], (cache.length if paged else cache.valid.shape[1])
                 W = T if window is None else window
                 if not 0 < W <= T:
                     raise ValueError(f"window must be in (0, {T}], got {window}")
-                if jnp.ndim(write_index) == 1:  # a write slot per row
-                    cvalid = jax.vmap(lambda c, n, w: jax.lax.dynamic_update_slice(c, n, (w,)))(
-                        cache.valid, new_valid, write_index)
-                    query_slot = write_index[:, None] + jnp.arange(S)  # [B, S]
+                if paged:
+                    if W % cache.block or jnp.ndim(write_index) != 1:
+                        raise ValueError(f"a paged cache needs a window that is a multiple of its block "
+                                         f"({cache.block}, got {W}) and a write slot per row")
+                    # Rows are compacted (token p in slot p): after this write a row's valid slots are
+                    # [0, write_index + S), a prefix; lengths, not flags.
+                    query_slot = write_index[:, None] + jnp.arange(S)
+                    layout = attn.cached(query_slot, jnp.arange(W)[None] < (write_index + S)[:, None], True)
+                    hidden, k, v, _ = self._layers((x, cache.k, cache.v, jnp.int32(0)), positions, layout,
+                                                   (write_index, cache.table), W, True)
+                    new_cache = cache._replace(k=k, v=v)
                 else:
-                    cvalid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
-                    query_slot = jnp.broadcast_to(write_index + jnp.arange(S), (tokens.shape[0], S))
-                layout = attn.cached(query_slot, cvalid[:, :W], right_padded)
-                paged = isinstance(cache, PagedCache)
-                if paged and (W % cache.block or jnp.ndim(write_index) != 1):
-                    raise ValueError(f"a paged cache needs a window that is a multiple of its block "
-                                     f"({cache.block}, got {W}) and a write slot per row")
-                hidden, k, v, _ = self._layers((x, cache.k, cache.v, jnp.int32(0)), positions, layout,
-                                               (write_index, cache.table) if paged else write_index, W, paged)
-                new_cache = cache._replace(k=k, v=v, valid=cvalid) if paged else KVCache(k, v, cvalid)
+                    t = jnp.arange(T)[None]
+                    if jnp.ndim(write_index) == 1:  # a write slot per row
+                        # An elementwise select, not a per-row dynamic_update_slice (a vmap of it compiles
+                        # to a serial loop over rows, each copying the whole mask).
+                        w = write_index[:, None]
+                        hit = (t >= w) & (t < w + S)
+                        new = jnp.take_along_axis(new_valid, jnp.clip(t - w, 0, S - 1), axis=1)
+                        cvalid = jnp.where(hit, new, cache.valid)
+                        query_slot = w + jnp.arange(S)  # [B, S]
+                    else:
+                        cvalid = jax.lax.dynamic_update_slice(cache.valid, new_valid, (0, write_index))
+                        query_slot = jnp.broadcast_to(write_index + jnp.arange(S), (tokens.shape[0], S))
+                    layout = attn.cached(query_slot, cvalid[:, :W], right_padded)
+                    hidden, k, v, _ = self._layers((x, cache.k, cache.v, jnp.int32(0)), positions, layout,
+                                                   write_index, W, False)
+                    new_cache = KVCache(k, v, cvalid)
                 if last_only:
                     hidden = hidden[:, -1:]
         if not logits:

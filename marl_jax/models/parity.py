@@ -59,7 +59,7 @@ def run_parity(hf_dir: str, *, batch: int = 4, length: int = 32, seed: int = 0) 
 
 
 def main(argv=None):
-    from absl import app, flags
+    from absl import flags
 
     flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint folder.", required=True)
     flags.DEFINE_integer("batch", 4, "Rows.")
@@ -77,7 +77,9 @@ def main(argv=None):
         print("PASS" if ok else f"FAIL (atol {F.atol}, greedy agreement must be 1.0)")
         sys.exit(0 if ok else 1)
 
-    app.run(_main, argv)
+    from marl_jax.cli import run
+
+    run(_main, "marl_jax.models.parity", argv)
 
 
 if __name__ == "__main__":

@@ -173,10 +173,10 @@ def constrain(x, names, mesh: Mesh, rules=None):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(names, x.shape, mesh, rules)))
 
 
-def constrain_state(state, mesh: Mesh, cfg=None, rules=None) -> Any:
+def constrain_state(state, mesh: Mesh, rules=None) -> Any:
     """Sharding constraints for the sampler's decode state: rows on data x fsdp, KV heads on "model".
-    The cache type names its own axes (KVCache.AXES, PagedCache.AXES: a paged pool is shared by every
-    row, so its blocks are not split over the data axes, only heads over "model")."""
+    The cache type names its own axes (KVCache.AXES, PagedCache.AXES: a paged pool has a part per row
+    shard, KV heads over "model")."""
     c = lambda x, names: constrain(x, names, mesh, rules)
     cache = type(state.cache)(*(c(x, n) for x, n in zip(state.cache, type(state.cache).AXES)))
     rest = {f: c(getattr(state, f), ("batch",) + (None,) * (getattr(state, f).ndim - 1))
@@ -193,6 +193,13 @@ def bytes_per_device(tree: Any) -> int:
         dev = dev or shards[0].device
         total += sum(s.data.nbytes for s in shards if s.device == dev)
     return total
+
+
+def to_device(tree):
+    """Host values (numpy arrays, Python scalars) as jax Arrays by a plain transfer. `jnp.asarray` of a numpy
+    array compiles a small identity program per new shape (jax's `stage`), which would count as a compile in
+    every step whose host shapes are new."""
+    return jax.device_put(tree)
 
 
 def to_host(x) -> np.ndarray:

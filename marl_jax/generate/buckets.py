@@ -1,0 +1,120 @@
+"""The sampler's sizing rules, stated once: shape buckets (what compiles), the attention windows, and the paged
+pool's size, growth and watermark. A leaf module (numpy only): the sampler, its scheduler and block pool, the
+update's batcher and the planner all call these instead of restating them."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def length_bucket(n: int, minimum: int = 16) -> int:
+    """Length bucket minimum * {1, 1.5} * 2^k: padding stays under half and only a few shapes compile."""
+    b = minimum
+    while True:
+        if n <= b:
+            return b
+        if n <= b * 3 // 2:
+            return b * 3 // 2
+        b *= 2
+
+
+def batch_bucket(n: int, minimum: int = 1, multiple: int = 1, per_octave: int = 2) -> int:
+    """Batch size for n rows: `multiple` (the data axis) times 1, 2, 3, 4, 6, 8, 12, ... (2^k and 3 * 2^k),
+    at least `minimum`. The 1.5x steps halve the rows compaction pays for between buckets, against
+    powers of two, and keep the number of compiled shapes logarithmic. `per_octave` sizes between 2^k and
+    2^(k+1) in general (2^k + i 2^k / per_octave): finer buckets waste fewer rows and compile more shapes."""
+    need = max(n, minimum, 1)
+    c = 1
+    while True:
+        for m in sorted({c + c * i // per_octave for i in range(per_octave)}):
+            if m * multiple >= need:
+                return m * multiple
+        c *= 2
+
+
+def next_smaller_bucket(B: int, minimum: int = 1, multiple: int = 1, per_octave: int = 2) -> int:
+    """The largest batch bucket below B and at least `minimum` (0 when there is none)."""
+    smaller = [c for c in range(minimum, B) if batch_bucket(c, minimum, multiple, per_octave) == c]
+    return smaller[-1] if smaller else 0
+
+
+def resume_slots(g: int) -> int:
+    """Cache slots after the prompt that a preempted row's re-prefill covers: its g - 1 tokens, bucketed."""
+    return length_bucket(max(g - 1, 1))
+
+
+def decode_windows(P: int, Tn: int) -> tuple[int, ...]:
+    """Attention windows (cache slots attended) for prompt bucket P and new-token bucket Tn: a quarter, a half
+    and all of the new tokens, so early steps, where most row-steps are, skip the cache's empty end. Each
+    window is a decode program to compile, so they are used only where the new tokens are most of the cache
+    (long completions after short prompts); otherwise the one window is the whole cache."""
+    if Tn < max(64, P):
+        return (P + Tn,)
+    return (P + Tn // 4, P + Tn // 2, P + Tn)
+
+
+def shared_prefix_len(prompts: Sequence[Sequence[int]], minimum: int = 16) -> int:
+    """Length of the prefix every prompt shares, rounded down to a length bucket (so few programs compile)
+    and leaving each prompt at least one token of its own (its last token's logits start decoding).
+    0 when there is one prompt or the shared part is under `minimum` tokens."""
+    if len(prompts) < 2:
+        return 0
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for p in prompts[1:]:
+        n = next((j for j in range(n) if p[j] != first[j]), n)
+    if n < minimum:
+        return 0
+    b = minimum
+    while length_bucket(b + 1, minimum) <= n:
+        b = length_bucket(b + 1, minimum)
+    return b
+
+
+# ---- the paged pool (counts per row shard; block 0 is each shard's null block) ----
+
+def paged_by_default(backend: str) -> bool:
+    """Which KV cache "auto" (rollout.paged_kv) means on a backend: the paged pool on TPU, where decode reads it
+    in place through the paged-attention kernel at about the minimum bytes; the dense cache elsewhere (on CPU
+    gathering the pool's blocks costs more than the dense window; on GPU until benchmarks/accelerator.py has
+    measured the fused paged path against it)."""
+    return backend == "tpu"
+
+
+def blocks_for(slots: int, block: int) -> int:
+    """Blocks that hold `slots` slots."""
+    return -(-slots // block)
+
+
+def full_pool_blocks(rows: int, P: int, Tn: int, block: int) -> int:
+    """A shard's pool at its largest: every row's prompt and new-token slots (a dense cache's), + the null block."""
+    return 1 + rows * blocks_for(P + Tn, block)
+
+
+def first_pool_blocks(rows: int, distinct: int, P: int, Tn: int, block: int) -> int:
+    """Blocks of a row shard's first paged pool: its distinct prompts' whole blocks once, each row's part of its
+    prompt's last block and one block of growth (+1 null), rounded up to a size bucket, at most the full pool."""
+    whole, per = P // block, blocks_for(P, block)
+    return min(batch_bucket(1 + distinct * whole + rows * (per - whole + 1), 16), full_pool_blocks(rows, P, Tn, block))
+
+
+def grown_pool_blocks(N: int, short: int, full: int) -> int:
+    """The pool's next size when a shard is `short` blocks short: at least 1.5x (few sizes, few programs), at
+    most the full pool."""
+    return min(batch_bucket(N + max(short, N // 2), 16), full)
+
+
+def budget_pool_blocks(budget_bytes: int, block_bytes: int, full: int) -> int:
+    """A KV budget's fixed pool: the blocks its bytes hold (the null block among them), at most the full pool."""
+    return max(2, min(budget_bytes // block_bytes, full))
+
+
+def watermark(N: int) -> int:
+    """Blocks admission keeps free in a pool of N (1%, at least one), so running rows can grow before preemption."""
+    return max(1, (N - 1) // 100)
+
+
+def block_bytes(num_layers: int, kv_heads: int, head_dim: int, block: int, itemsize: int, model_devices: int = 1) -> int:
+    """Bytes of one KV block (keys and values, every layer) on one device: KV heads split over "model" where
+    they divide."""
+    heads = kv_heads // model_devices if kv_heads % model_devices == 0 else kv_heads
+    return 2 * num_layers * block * heads * head_dim * itemsize
