@@ -33,8 +33,10 @@ import re
 import types
 from typing import Any, Iterable
 
+import numpy as np
+
 from marl_jax.models.decoder import ModelConfig
-from marl_jax.config import kv_dtype
+from marl_jax.config import kv_dtype, paged_kv
 
 GiB = 1024 ** 3
 
@@ -176,12 +178,12 @@ class Workload:
 
     @property
     def seq_len(self) -> int:  # the update's T (longest row, bucketed as rl.batch does)
-        from marl_jax.generate.sampler import length_bucket
+        from marl_jax.generate.buckets import length_bucket
         return length_bucket(max(s.prompt + s.new for s in self.stages), minimum=64)
 
     @property
     def window(self) -> int:  # the update's W (scored positions)
-        from marl_jax.generate.sampler import length_bucket
+        from marl_jax.generate.buckets import length_bucket
         return length_bucket(max(s.new for s in self.stages), minimum=16)
 
     def slot_rows(self) -> list[int]:
@@ -213,6 +215,37 @@ def workload(config, prompt_tokens: int = 512) -> Workload:
         copies = parallel_copies(wf)
     groups = sum(copies.get(r, 1) for r in wf.roles) if config.grpo.diagnostics else 0
     return Workload(tuple(out), tuple(wf.roles), mapping, max(mapping.values()) + 1, groups, config.rollout.max_batch)
+
+
+def update_lengths(config) -> tuple[int, int]:
+    """The update's T (every row padded to it) and W (scored positions) for a run: the workload's longest row and
+    completion at the config's rollout.prompt_tokens, bucketed (rl.batch.make_batch's seq_len and width)."""
+    w = workload(config, int(config.rollout.get("prompt_tokens", 512)))
+    return w.seq_len, w.window
+
+
+def update_shapes(config, knobs: "Knobs | None" = None) -> list:
+    """The update item shapes a run compiles (rl.layout.update_shapes at update_lengths), with the knobs' micro-batch
+    and token budget (default: the config's); on one device (knobs' mesh) packed items run their LM head on their
+    scored positions alone, as the trainer does."""
+    from marl_jax.rl import layout
+    from marl_jax.rl.update import UpdateConfig
+    T, W = update_lengths(config)
+    g = config.grpo
+    mb, budget = int(g.micro_batch), int(g.get("max_tokens_per_micro_batch", 0))
+    one_device = True
+    if knobs is not None:
+        mb, budget, one_device = knobs.micro_batch, knobs.max_tokens, knobs.mesh.size == 1
+    return layout.update_shapes(T, W, micro_batch=mb, length_buckets=UpdateConfig.length_buckets, grid=int(g.length_grid), packing=bool(g.packing),
+                                max_tokens=budget, head_over_rows=not (g.packing and one_device))
+
+
+def format_shapes(shapes) -> str:
+    """'8 x Packed(1, 256), ...' in one line: an item's rows and its shape."""
+    from marl_jax.rl.layout import Packed
+    one = lambda k: (f"{k.rows} rows in {k.shape.p} x {k.shape.t}" if isinstance(k.shape, Packed)
+                     else f"{k.rows} x {k.shape.t}")
+    return ", ".join(one(k) for k in shapes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,13 +355,13 @@ def paged_pool_blocks(rows: int, distinct: int, P: int, Tn: int, block: int) -> 
     the prompts and a block of growth per row, then 1.5x steps, never beyond a dense cache of the rows.
     The rows hold at most the distinct prompts' whole blocks once plus, each, its own part of the prompt's
     last block and its completion's blocks (+1 for the null block)."""
-    from marl_jax.generate.sampler import _batch_bucket, paged_first_pool
-    full = 1 + rows * -(-(P + Tn) // block)
-    whole, per = P // block, -(-P // block)
-    need = min(full, 1 + min(distinct, rows) * whole + rows * (per - whole + -(-Tn // block) + 1))
-    N = prev = paged_first_pool(rows, min(distinct, rows), P, Tn, block)
+    from marl_jax.generate import buckets
+    full = buckets.full_pool_blocks(rows, P, Tn, block)
+    whole, per = P // block, buckets.blocks_for(P, block)
+    need = min(full, 1 + min(distinct, rows) * whole + rows * (per - whole + buckets.blocks_for(Tn, block) + 1))
+    N = prev = buckets.first_pool_blocks(rows, min(distinct, rows), P, Tn, block)
     while N < need:  # a decode step takes at most one block per row, so each growth is by N // 2
-        prev, N = N, min(_batch_bucket(N + max(N // 2, 1), 16), full)
+        prev, N = N, buckets.grown_pool_blocks(N, 1, full)
     return N, prev
 
 
@@ -385,22 +418,16 @@ def decode_step_bytes(cfg: ModelConfig, rows: float, window: int, e: int, mesh: 
     and values over the window (gathered from the pool's blocks, or sliced from the dense cache), the scores,
     and the float32 logits and their softmax.
 
-    backend "tpu" over a paged pool of `pool_slots` slots per device (blocks x block): decode runs jax's Pallas
-    paged-attention kernel (marl_jax.models.attention.paged_decode), which reads the rows' pages in place, so
-    no window is gathered. What XLA:TPU does materialise is the layer's pool viewed as the kernel's pages
-    ([pages, block, Hkv * hd]): with one KV head per device the view is free (a bitcast); with more, the tiled
-    layouts of [block, Hkv, hd] and [block, Hkv * hd] differ, so the layer's keys and its values are copied
-    (two pool-layer-sized copies), and with 4 or more KV heads per device the layer's slice of the pool is
-    laid out before that copy as well (a third; XLA for v5p: Qwen3's 8 KV heads at the real shapes of
-    docs/planner.md too; for v6e it writes the slices in the kernel's layout directly, two copies, so the plan
-    over-counts one there). Besides those: the queries placed in their KV head's lanes of a zero vector
-    ([rows, Hq, Hkv * hd], before and after the reshape) and the float32 logits with their copy into the output
-    (tests/test_plan_aot.py)."""
+    backend "tpu" over a paged pool (`pool_slots` > 0, bfloat16): decode runs jax's Pallas paged-attention kernel
+    (marl_jax.models.attention.paged_decode) over the whole stacked pool, viewed as the kernel's pages for free,
+    so nothing of the pool's size is materialised: XLA:TPU holds the float32 logits and the queries and
+    outputs around the kernel per row, and a fraction of a layer's weights staged in VMEM-sized buffers. Read
+    from XLA for v5p at 32 and 128 rows per device over 3000 blocks (hidden 512, 2048 vocabulary): 8 KV heads
+    1.79 / 2.91 MB, 2 heads 0.79 / 1.77, 1 head 0.72 / 1.80; this term is within 1% at 8 heads and over-counts
+    by up to 30% with fewer (tests/test_plan_aot.py). Small beside the pool either way."""
     hq, kvd, _ = _heads(cfg, mesh)
     if backend == "tpu" and pool_slots and e == 2:
-        heads = kvd // cfg.head_dim
-        views = 0 if heads == 1 else 2 if heads < 4 else 3
-        return views * pool_slots * kvd * e + rows * (2 * hq * kvd * e + 2 * cfg.vocab_size * 4)
+        return rows * (cfg.vocab_size * 4 + hq * cfg.head_dim * 2) + 0.15 * layer_weight_bytes(cfg, e, mesh)
     return rows * (2 * window * kvd * e + hq * window * (4 + e) + cfg.vocab_size * 4 * 2) + 0.75 * layer_weight_bytes(
         cfg, e, mesh)
 
@@ -409,44 +436,73 @@ def budget_concurrency(cfg: ModelConfig, config, st: "Stage", mesh: Mesh, max_ba
                        block: int) -> dict[str, int]:
     """Under a KV budget: rows of a stage decoding at once (all their blocks in the pool, every row at its
     limit), rows admitted on their prompt blocks alone (vLLM admits on the prompt), and the slots one row
-    reaches before the pool runs dry with all of those admitted (preemption's worst case)."""
-    from marl_jax.generate.sampler import length_bucket
-    P, Tn = length_bucket(st.prompt), length_bucket(st.new)
-    blocks = int(budget_gb * GiB // (block * slot_bytes(cfg, config, mesh))) - 1  # block 0: the null block
-    full = -(-(P + Tn) // block)
+    reaches before the pool runs dry with all of those admitted (preemption's worst case). The pool's size is
+    the sampler's rule (marl_jax.generate.buckets.budget_pool_blocks)."""
+    from marl_jax.generate import buckets
+    P, Tn = buckets.length_bucket(st.prompt), buckets.length_bucket(st.new)
+    full = buckets.blocks_for(P + Tn, block)
+    rows = buckets.batch_bucket(min(st.rows, max_batch), 8, mesh.rows) // mesh.rows
+    blocks = buckets.budget_pool_blocks(int(budget_gb * GiB), int(block * slot_bytes(cfg, config, mesh)),
+                                        buckets.full_pool_blocks(rows, P, Tn, block)) - 1  # block 0: the null block
     fit = max(0, blocks // full) * mesh.rows
     want = min(st.rows, max_batch)
-    admitted = min(want, max(0, blocks // max(1, -(-P // block))) * mesh.rows)
+    admitted = min(want, max(0, blocks // max(1, buckets.blocks_for(P, block))) * mesh.rows)
     dry = (blocks * mesh.rows * block) // max(1, admitted) - P if admitted else 0
     return {"concurrent": min(want, fit), "admitted": admitted, "slots_at_preemption": max(0, min(dry, P + Tn)),
             "blocks": blocks, "row_blocks": full}
+
+
+class _FirstRefill:
+    """The rows prefill_rows drives the sampler's scheduler over: an empty batch of B rows (the paged pool's
+    tables empty) that records what the first refill admits."""
+
+    def __init__(self, B: int, width: int):
+        from marl_jax.generate.scheduler import View
+        z = np.zeros(B, np.int64)
+        self._view = View(np.zeros(B, bool), z + 1, z, z - 1, np.zeros((B, width), np.int32))
+        self.admitted: list[int] = []
+
+    def view(self):
+        return self._view
+
+    def admit(self, rows, slots):
+        self.admitted = list(rows)
 
 
 def prefill_rows(cfg: ModelConfig, config, st: "Stage", mesh: Mesh, max_batch: int, budget_gb: float = 0.0,
                  max_batched_tokens: int = 0, paged: bool = False) -> tuple[int, int]:
     """(distinct prompts, rows) on one device of the largest prefill the sampler runs for a stage.
 
-    Sampler._prefill builds a dense cache of the distinct prompts, then one of every row it prefills. Dense,
-    those are the first batch. Paged, they are the rows one refill admits: no more than the free rows,
-    max_batched_tokens' prompt tokens (each row's prompt counted) and, under a KV budget, the rows whose
-    prompt blocks fit the pool beside the 1% watermark (a task's episodes share their prompt's blocks; the
-    batch's first rows go to the first shard, so the refill stops there when its blocks run out)."""
-    from marl_jax.generate.sampler import _batch_bucket, length_bucket
+    The sampler's prefill builds a dense cache of the distinct prompts, then one of every row it prefills: the
+    rows one refill admits, decided here by the sampler's own scheduler (marl_jax.generate.scheduler) over the
+    stage's first batch of worst-case prompts: no more than the free rows, max_batched_tokens' prompt tokens
+    and, under a KV budget, the rows whose prompt blocks fit the pool beside the watermark (a task's episodes
+    share their prompt's blocks; the batch's first rows go to the first shard, so the refill stops there when
+    its blocks run out). Dense, the first rows are prefilled straight into the decode batch."""
+    from marl_jax.generate import buckets
+    from marl_jax.generate.block_pool import BlockPool
+    from marl_jax.generate.scheduler import Scheduler, SchedulerConfig
     D = mesh.rows
-    B = _batch_bucket(min(st.rows, max_batch), 8, D)
+    sc = SchedulerConfig(max_batch=max_batch, min_batch=max(8, D), shards=D, max_batched_tokens=max_batched_tokens)
+    B = sc.first_batch(st.rows)
     g = max(1, st.rows // max(st.distinct, 1))  # episodes per prompt, next to each other in the batch
     n = min(st.rows, B)
-    if paged and max_batched_tokens:
-        n = min(n, max(1, max_batched_tokens // max(st.prompt, 1)))
-    if budget_gb > 0:
-        blk = int(config.rollout.get("kv_block", 16))
-        P, Tn = length_bucket(st.prompt), length_bucket(st.new)
-        N = max(2, min(int(budget_gb * GiB // (blk * slot_bytes(cfg, config, mesh))), 1 + (B // D) * -(-(P + Tn) // blk)))
-        room = (N - 1) - max(1, (N - 1) // 100)
-        shard = max(1, room // max(1, -(-st.prompt // blk))) * g  # rows one shard admits on its prompt blocks
-        n = min(n, shard if shard < B // D else B)
-    u = min(st.distinct, -(-n // g))
-    return _batch_bucket(u, 1, D) // D, _batch_bucket(n, 1, D) // D
+    prompts = [(i // g, st.prompt) for i in range(n)]  # (key, length): a task's g rows share one prompt
+    blk = int(config.rollout.get("kv_block", 16))
+    P, Tn = buckets.length_bucket(st.prompt), buckets.length_bucket(st.new)
+    width = buckets.blocks_for(P + Tn, blk)
+    pool = None
+    if paged or budget_gb > 0:
+        full = buckets.full_pool_blocks(B // D, P, Tn, blk)
+        N = (buckets.budget_pool_blocks(int(budget_gb * GiB), int(blk * slot_bytes(cfg, config, mesh)), full)
+             if budget_gb > 0 else full)
+        pool = BlockPool(D, N, blk, B // D, width, full, fixed=budget_gb > 0)
+    rows = _FirstRefill(B, width)
+    Scheduler(sc, prompts, pool).refill(rows, np.arange(B))
+    u = len({prompts[i][0] for i in rows.admitted})
+    if pool is None:  # dense: the first rows go straight into the decode batch
+        return buckets.batch_bucket(u, 1, D) // D, B // D
+    return buckets.batch_bucket(u, 1, D) // D, buckets.batch_bucket(len(rows.admitted), 1, D) // D
 
 
 def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
@@ -465,11 +521,11 @@ def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
     (distinct cache + rows' cache). Dense, the rows' cache is the decode cache itself. backend: the chip's kind
     ("tpu" counts the programs' temporaries as XLA:TPU holds them, see prefill_chunk_bytes and
     decode_step_bytes)."""
-    from marl_jax.generate.sampler import _batch_bucket, length_bucket
+    from marl_jax.generate.buckets import batch_bucket as _batch_bucket, length_bucket
     e = _bytes(config.model.dtype)
     budget = float(config.rollout.get("kv_budget_gb", 0.0)) if kv_budget_gb is None else kv_budget_gb
     mbt = int(config.rollout.get("max_batched_tokens", 0)) if max_batched_tokens is None else max_batched_tokens
-    paged = bool(config.rollout.get("paged_kv", False)) or budget > 0
+    paged = paged_kv(config, backend) or budget > 0
     blk = int(config.rollout.get("kv_block", 16))
     chunk = int(config.rollout.get("prefill_chunk", 2048))
     if mbt:
@@ -558,7 +614,7 @@ def roofline(cfg: ModelConfig, config, w: Workload, knobs: Knobs, chip: Chip) ->
     whose blocks fit the pool). preempt_s is preemption's worst case under a budget: rows admitted on their
     prompt blocks beyond those that fit at full length are each preempted once, when the pool runs dry, and
     re-prefill their prompt and the tokens they had (counted in step_s)."""
-    from marl_jax.generate.sampler import length_bucket
+    from marl_jax.generate.buckets import length_bucket
     m = knobs.mesh
     n = m.size
     e = _bytes(config.model.dtype)
@@ -741,7 +797,8 @@ def configured_knobs(config, mesh: Mesh, chip: Chip) -> Knobs:
                  chip.kind, int(config.rollout.get("max_batched_tokens", 0)))
 
 
-def plan(config, chip_spec: str, prompt_tokens: int = 512, search_chips: bool = True) -> dict[str, Any]:
+def plan(config, chip_spec: str, prompt_tokens: int | None = None, search_chips: bool = True) -> dict[str, Any]:
+    prompt_tokens = prompt_tokens or int(config.rollout.get("prompt_tokens", 512))
     chip, n = parse_chip(chip_spec)
     cfg = model_config(config.model.name)
     w = workload(config, prompt_tokens)
@@ -770,7 +827,7 @@ def plan(config, chip_spec: str, prompt_tokens: int = 512, search_chips: bool = 
     if search_chips:
         fewest = next((k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if smallest_fit(cfg, config, w, chip, k)), None)
     kv_layout = ("paged, a KV budget of %g GiB per device" % knobs.kv_budget_gb if knobs.kv_budget_gb
-                 else f"paged, {int(config.rollout.kv_block)}-slot blocks" if config.rollout.get("paged_kv", False)
+                 else f"paged, {int(config.rollout.kv_block)}-slot blocks" if paged_kv(config, knobs.backend)
                  else "dense")
     return {
         "chip": chip_spec, "chip_name": chip.name, "devices": n, "hosts": math.ceil(n / chip.per_host),
@@ -791,6 +848,9 @@ def plan(config, chip_spec: str, prompt_tokens: int = 512, search_chips: bool = 
             "max_batched_tokens": fit.max_batched_tokens, "flags": knob_flags(fit, config), "memory": memory(cfg, config, w, fit),
             "time": roofline(cfg, config, w, fit, chip)},
         "token_budget": tb,
+        # the update's programs, from the config's lengths (rollout.prompt_tokens, not --prompt_tokens)
+        "update_lengths": update_lengths(config), "update_shapes": [
+            {"rows": k.rows, "shape": type(k.shape).__name__, **k.shape._asdict()} for k in update_shapes(config, knobs)],
         "fewest_chips": fewest,
         "time": roofline(cfg, config, w, knobs, chip),
     }
@@ -841,6 +901,13 @@ def format_plan(p: dict[str, Any]) -> str:
         pre = f" + preemption worst case {t['preempt_s']:.1f} s" if t.get("preempt_s") else ""
         return (f"roofline per training step, {name}: decode {t['decode_s']:.1f} s ({t.get('decode_waves', 1)} "
                 f"wave(s)) + prefill {t['prefill_s']:.1f} s{pre} + update {t['update_s']:.1f} s = {t['step_s']:.1f} s")
+    if p.get("update_shapes") is not None:
+        from marl_jax.rl.layout import ItemShape, Packed, Window
+        T, W = p["update_lengths"]
+        keys = [ItemShape((Packed(d["p"], d["t"]) if d["shape"] == "Packed" else Window(d["t"])), d["rows"])
+                for d in p["update_shapes"]]
+        lines += [f"update item programs ({len(keys)}, compiled before step 1; rows of {T} tokens, {W} scored, at "
+                  f"rollout.prompt_tokens): " + format_shapes(keys), ""]
     lines.append(t_line("as configured", p["time"]))
     if f:
         lines.append(t_line("with the knobs", f["time"]))
@@ -924,7 +991,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if FLAGS.table:
-        print(format_table(preset_rows(prompt_tokens=FLAGS.prompt_tokens)))
+        print(format_table(preset_rows(prompt_tokens=FLAGS.prompt_tokens or 512)))
         return
     from marl_jax.config import validate
     config = FLAGS.config
@@ -935,12 +1002,12 @@ def main(argv):
         if FLAGS.aot:
             from marl_jax import plan_aot
             try:
-                r = plan_aot.aot(config, FLAGS.chip, prompt_tokens=FLAGS.prompt_tokens, layers=FLAGS.aot_layers)
+                r = plan_aot.aot(config, FLAGS.chip, prompt_tokens=FLAGS.prompt_tokens or None, layers=FLAGS.aot_layers)
             except ValueError as e:  # no libtpu, or a GPU: one line, not the usage text
                 raise SystemExit(f"marl_jax.plan: {e}")
             print(json.dumps(r, indent=1, default=str) if FLAGS.json else plan_aot.format_aot(r))
             return
-        p = plan(config, FLAGS.chip, FLAGS.prompt_tokens)
+        p = plan(config, FLAGS.chip, FLAGS.prompt_tokens or None)
     except ValueError as e:
         raise app.UsageError(str(e))
     print(json.dumps(p, indent=1, default=str) if FLAGS.json else format_plan(p))
@@ -953,7 +1020,7 @@ if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "configs/<workflow>.py[:<model>,<task>]", lock_config=True)
     flags.DEFINE_string("chip", "v5e-8", "v4-8 | v5e-8 | v5p-8 | v6e-8 (any slice size) | H100-80GB | H200 "
                         "(xN for N GPUs)")
-    flags.DEFINE_integer("prompt_tokens", 512, "prompt tokens before any earlier stage's output (system prompt, "
+    flags.DEFINE_integer("prompt_tokens", 0, "prompt tokens before any earlier stage's output (system prompt, "
                          "instructions and the problem)")
     flags.DEFINE_bool("json", False, "print JSON instead of tables")
     flags.DEFINE_bool("aot", False, "compile the run's update item, prefill chunk and decode step for the TPU slice "
@@ -962,4 +1029,6 @@ if __name__ == "__main__":
     FLAGS = flags.FLAGS
     flags.DEFINE_bool("table", False, "every paper preset on the reference's GPUs, v5p-8, v6e-8, one H100-80GB and "
                       "v5e-8 (docs/planner.md)")
-    app.run(main)
+    from marl_jax.cli import run
+
+    run(main, "marl_jax.plan")

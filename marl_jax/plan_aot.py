@@ -43,15 +43,24 @@ def topology_name(kind: str, chips: int) -> str:
     return f"{name}:{shapes[chips]}"
 
 
-def tpu_devices(kind: str, chips: int):
-    """Compile-only devices of a TPU slice (libtpu), or a ValueError saying how to install it."""
+def tpu_topology(name: str):
+    """libtpu's compile-only description of a TPU slice ('v5p:2x2x1'; its .devices), or a ValueError saying
+    how to install libtpu. Every compile-only TPU device here comes through this (benchmarks too)."""
     try:
         import libtpu  # noqa: F401
     except ImportError:
         raise ValueError(f"--aot compiles for a TPU slice with libtpu, which is not installed: {AOT_INSTALL}")
     from jax.experimental import topologies
-    topo = topologies.get_topology_desc(topology_name=topology_name(kind, chips), platform="tpu")
-    return topo.devices
+
+    from marl_jax.jax_setup import compile_only_libtpu
+
+    with compile_only_libtpu():  # no lock file: runs beside a training run or another --aot
+        return topologies.get_topology_desc(topology_name=name, platform="tpu")
+
+
+def tpu_devices(kind: str, chips: int):
+    """Compile-only devices of a TPU slice (libtpu), or a ValueError saying how to install it."""
+    return tpu_topology(topology_name(kind, chips)).devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,17 +162,60 @@ def decode_step(cfg: ModelConfig, *, rows: int, blocks: int, block: int, window:
 
 
 def analyse(program: Program) -> dict[str, float]:
-    """Compile (never run) and read XLA's per-device bytes and its cost analysis."""
+    """Compile (never run) and read XLA's per-device bytes, its cost analysis, and the matmul FLOPs of the
+    optimized HLO weighted by loop trip counts (marl_jax.hlo_bytes: `flops` below is cost_analysis's, which
+    counts each loop body once). kernels: Pallas kernel executions (tpu_custom_call), whose FLOPs neither sees;
+    unknown_loops: loops whose trip count is data (blockwise attention's block-skipping fori_loop), counted once
+    in matmul_flops, which is then a lower bound."""
     import time
+
+    from marl_jax import hlo_bytes
     t0 = time.perf_counter()
     compiled = program.fn.lower(*program.args).compile()
+    compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else (ca or {})
+    hlo = hlo_bytes.analyze(compiled.as_text())
     return {"arguments": float(ma.argument_size_in_bytes), "temporaries": float(ma.temp_size_in_bytes),
             "outputs": float(ma.output_size_in_bytes), "aliased": float(getattr(ma, "alias_size_in_bytes", 0)),
             "flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
-            "compile_s": time.perf_counter() - t0}
+            "matmul_flops": hlo.flops, "kernels": hlo.custom_calls().get("tpu_custom_call", 0.0),
+            "unknown_loops": float(sum(lp.trips is None for lp in hlo.loops)),
+            "compile_s": compile_s}
+
+
+REMATS = ("none", "dots", "full")  # the update's remat modes (rl.update.REMAT_MODES less "auto", which picks one)
+
+
+def useful_update_flops(cfg: ModelConfig, *, rows: int, T: int, W: int, mode: str = "lora", rank: int = 64,
+                        targets=None, attention: bool = True) -> dict[str, float]:
+    """Matmul FLOPs one update item needs, nothing recomputed (all devices together): rows x T tokens through
+    the layers, the LM head over rows x W scored positions. Per part (forward):
+
+        linear    = 2 rows T L (D (q + 2 kv) + q D + 3 D F)      = rows T (cfg.flops_per_token(0) - 2 D V)
+        lora      = 2 rows T L r sum(in + out) over the adapted matrices (mode "lora")
+        attention = 2 rows T L 2 q (T + 1) / 2                   (q.k and p.v, causal: query t sees t + 1 keys)
+        head      = 2 rows W D V
+
+    and useful = forward + backward: under LoRA the frozen matmuls' input gradients (1x: linear, head), both
+    operands of q.k and p.v (2x: attention) and the adapters' input and weight gradients (2x: lora), so
+    useful = 2 (linear + head) + 3 (lora + attention); full training adds the weight gradients:
+    useful = 3 forward. attention=False leaves the attention core out (a Pallas kernel's FLOPs are not in
+    the HLO count it is compared with). Elementwise work (norms, rope, softmax, the loss) is not counted."""
+    from marl_jax.models.decoder import LINEAR_NAMES
+    from marl_jax.policy.lora import _io
+    D, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    tokens = rows * T
+    linear = tokens * (cfg.flops_per_token(0) - 2.0 * D * V)
+    lora = 0.0
+    if mode == "lora":
+        lora = 2.0 * tokens * L * rank * sum(sum(_io(cfg, n)) for n in (targets or LINEAR_NAMES))
+    attn = 2.0 * tokens * L * 2 * cfg.q_dim * (T + 1) / 2 if attention else 0.0
+    head = 2.0 * rows * W * D * V
+    forward = linear + lora + attn + head
+    useful = 3 * forward if mode == "full" else 2 * (linear + head) + 3 * (lora + attn)
+    return {"linear": linear, "lora": lora, "attention": attn, "head": head, "forward": forward, "useful": useful}
 
 
 # ---- the plan's programs at a run's shapes, beside the plan's own numbers ----
@@ -171,7 +223,7 @@ def analyse(program: Program) -> dict[str, float]:
 def run_shapes(cfg: ModelConfig, config, w, knobs) -> dict[str, dict]:
     """Shapes of the three programs for a run (global rows) and the plan's per-device numbers for them."""
     from marl_jax import plan as P
-    from marl_jax.generate.sampler import length_bucket
+    from marl_jax.generate.buckets import length_bucket
     m = knobs.mesh
     e = P._bytes(config.model.dtype)
     T, W = w.seq_len, w.window
@@ -181,7 +233,8 @@ def run_shapes(cfg: ModelConfig, config, w, knobs) -> dict[str, dict]:
     Pl, Tn = length_bucket(st.prompt), length_bucket(st.new)
     mbt = knobs.max_batched_tokens
     chunk = min(int(config.rollout.get("prefill_chunk", 2048)), mbt or Pl, Pl)
-    paged = bool(config.rollout.get("paged_kv", False)) or knobs.kv_budget_gb > 0
+    from marl_jax.config import paged_kv
+    paged = paged_kv(config, knobs.backend) or knobs.kv_budget_gb > 0
     bu = P.prefill_rows(cfg, config, st, m, knobs.max_batch, knobs.kv_budget_gb, mbt, paged)[0] * m.rows
     blk = int(config.rollout.get("kv_block", 16))
     window = -(-(Pl + Tn) // blk) * blk
@@ -206,33 +259,48 @@ def run_shapes(cfg: ModelConfig, config, w, knobs) -> dict[str, dict]:
     }
 
 
+def _dtypes(config):
+    from marl_jax import plan as P
+    dt = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+    return dt, jnp.bfloat16 if P.param_dtype(config) == "bfloat16" else jnp.float32
+
+
+def update_program(cfg: ModelConfig, config, shapes: dict, mesh, rules=None, backend: str = "tpu") -> Program:
+    """The update item at `shapes` (run_shapes, with "remat"; default full), attention resolved on `backend`."""
+    import dataclasses as dc
+    from marl_jax.rl.memory import attention_impl
+    dt, pdt = _dtypes(config)
+    u = shapes["update item"]
+    ucfg = dc.replace(cfg, attention=attention_impl(cfg, u["T"], u["T"], backend))
+    return update_item(ucfg, rows=u["rows"], T=u["T"], W=u["W"], mesh=mesh, rules=rules, mode=config.trainable.mode,
+                       rank=int(config.trainable.rank), remat=shapes.get("remat", "full"), dtype=dt, param_dtype=pdt)
+
+
 def programs_for(cfg: ModelConfig, config, shapes: dict, mesh, rules=None, backend: str = "tpu") -> list[Program]:
     """The three programs at `shapes` (run_shapes) on `mesh`. model.attention=auto resolves as on `backend`
     (the compiling host's jax.default_backend() is not the target's)."""
     import dataclasses as dc
-    from marl_jax import plan as P
     from marl_jax.rl.memory import attention_impl
-    dt = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
-    pdt = jnp.bfloat16 if P.param_dtype(config) == "bfloat16" else jnp.float32
-    u, pf, d = shapes["update item"], shapes["prefill chunk"], shapes["decode step"]
-    ucfg = dc.replace(cfg, attention=attention_impl(cfg, u["T"], u["T"], backend))
+    dt, pdt = _dtypes(config)
+    pf, d = shapes["prefill chunk"], shapes["decode step"]
     pcfg = dc.replace(cfg, attention=attention_impl(cfg, pf["chunk"], pf["prompt"], "cpu"))
     # Decode over the paged pool: on TPU the paged-attention kernel ("splash" selects it on any compiling host),
     # elsewhere the gathered blocks attended densely.
     dcfg = dc.replace(cfg, attention="splash" if backend == "tpu" else "dense")
-    mode = config.trainable.mode
-    return [update_item(ucfg, rows=u["rows"], T=u["T"], W=u["W"], mesh=mesh, rules=rules, mode=mode,
-                        rank=int(config.trainable.rank), remat=shapes.get("remat", "full"), dtype=dt, param_dtype=pdt),
+    return [update_program(cfg, config, shapes, mesh, rules, backend),
             prefill_chunk(pcfg, rows=pf["rows"], chunk=pf["chunk"], prompt=pf["prompt"], mesh=mesh, rules=rules,
                           dtype=dt, param_dtype=pdt),
             decode_step(dcfg, rows=d["rows"], blocks=d["blocks"], block=d["block"],
                         window=d["window"], mesh=mesh, rules=rules, dtype=dt, param_dtype=pdt)]
 
 
-def aot(config, chip_spec: str, knobs=None, prompt_tokens: int = 512, layers: int = 0) -> dict[str, Any]:
+def aot(config, chip_spec: str, knobs=None, prompt_tokens: int | None = None, layers: int = 0,
+        remats: tuple = REMATS) -> dict[str, Any]:
     """Compile the run's three programs for a TPU slice (libtpu, no TPU needed) with the plan's knobs (the
     configured ones, or those it prints when they do not fit), and return XLA's numbers beside the plan's.
-    layers > 0 compiles a model of that many layers (and plans the same model), to save compile time."""
+    layers > 0 compiles a model of that many layers (and plans the same model), to save compile time.
+    remats: the update item is compiled again at each of these remat modes (the knobs' own is reused) for its
+    matmul FLOPs against the useful ones and its temporaries (out["update_by_remat"]); () compiles it once."""
     import dataclasses as dc
     from marl_jax import plan as P
     chip, n = P.parse_chip(chip_spec)
@@ -244,6 +312,7 @@ def aot(config, chip_spec: str, knobs=None, prompt_tokens: int = 512, layers: in
     cfg = P.model_config(config.model.name)
     if layers:
         cfg = dc.replace(cfg, num_layers=layers)
+    prompt_tokens = prompt_tokens or int(config.rollout.get("prompt_tokens", 512))  # as P.plan reads it
     w = P.workload(config, prompt_tokens)
     if knobs is None:
         p = P.plan(config, chip_spec, prompt_tokens, search_chips=False)
@@ -266,7 +335,63 @@ def aot(config, chip_spec: str, knobs=None, prompt_tokens: int = 512, layers: in
     for prog in programs_for(cfg, config, shapes, mesh, rules, "tpu"):
         x = analyse(prog)
         out["programs"][prog.name] = dict(shapes[prog.name], **{f"xla_{k}": v for k, v in x.items()})
+    if remats:
+        out["update_by_remat"] = update_by_remat(cfg, config, w, knobs, shapes, mesh, rules,
+                                                 out["programs"]["update item"], remats)
     return out
+
+
+def _out_of_memory(e: Exception) -> float | None:
+    """The temporaries (bytes) XLA:TPU said a program needs when it refused to compile it for lack of HBM."""
+    import re
+    msg = str(e)
+    if "RESOURCE_EXHAUSTED" not in msg and "Ran out of memory" not in msg:
+        return None
+    m = re.search(r"HLO temporaries \(([\d.]+)G\)", msg)
+    return float(m.group(1)) * 2 ** 30 if m else math.nan
+
+
+def update_by_remat(cfg: ModelConfig, config, w, knobs, shapes: dict, mesh, rules, done: dict,
+                    remats: tuple = REMATS) -> dict[str, dict]:
+    """The update item at each remat mode (the knobs' own from `done`, aot's entry for it): XLA:TPU's
+    matmul FLOPs per device (trip-weighted), the useful ones (useful_update_flops / devices; the attention
+    core left out where it runs in a Pallas kernel), their ratio (the recompute overhead), and XLA's and
+    the plan's temporaries. A mode whose item does not fit the chip's HBM (XLA:TPU refuses to compile it) is
+    compiled again at one row per row shard for its FLOPs (every term is linear in rows, so the ratio holds);
+    its `fits` is False and xla_temporaries is what XLA said it needs at the run's rows."""
+    import dataclasses as dc
+    from marl_jax import plan as P
+    u = shapes["update item"]
+    n, few = knobs.mesh.size, knobs.mesh.rows
+    out = {}
+    for r in remats:
+        rows, need = u["rows"], None
+        if r == shapes.get("remat", "full"):
+            x = {k[4:]: v for k, v in done.items() if k.startswith("xla_")}
+        else:
+            try:
+                x = analyse(update_program(cfg, config, dict(shapes, remat=r), mesh, rules, "tpu"))
+            except Exception as e:  # noqa: BLE001 (jax's JaxRuntimeError: only running out of HBM is handled)
+                need = _out_of_memory(e)
+                if need is None or rows <= few:
+                    raise
+                rows = few
+                x = analyse(update_program(cfg, config, dict(shapes, remat=r, **{"update item": dict(u, rows=rows)}),
+                                           mesh, rules, "tpu"))
+        useful = useful_update_flops(cfg, rows=rows, T=u["T"], W=u["W"], mode=config.trainable.mode,
+                                     rank=int(config.trainable.rank), attention=not x["kernels"])["useful"] / n
+        out[r] = {"rows": rows, "fits": need is None, "xla_matmul_flops": x["matmul_flops"], "useful_flops": useful,
+                  "ratio": x["matmul_flops"] / useful,
+                  "xla_temporaries": x["temporaries"] if need is None else need,
+                  "plan_temporaries": P.activation_bytes(cfg, config, w, dc.replace(knobs, remat=r)),
+                  "attention_in_kernel": bool(x["kernels"]), "kernels": x["kernels"],
+                  "unknown_loops": x["unknown_loops"],
+                  "compile_s": x["compile_s"]}
+    return out
+
+
+def _tflop(flops: float, unknown_loops: float | None = 0) -> str:
+    return f"{'>= ' if unknown_loops else ''}{flops / 1e12:.2f}"
 
 
 def format_aot(r: dict[str, Any]) -> str:
@@ -274,13 +399,40 @@ def format_aot(r: dict[str, Any]) -> str:
     lines = [f"XLA for {r['chip']} ({r['devices']} devices, mesh {r['mesh']}, {r['layers']} layers), compiled "
              f"without a TPU; knobs: {r['knobs']}", "",
              "| program | shape | XLA arguments GiB | XLA temporaries GiB | plan temporaries GiB | XLA outputs GiB | "
-             "XLA TFLOP | plan TFLOP | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+             "XLA matmul TFLOP | plan TFLOP | compile s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, p in r["programs"].items():
         shape = {"update item": lambda: f"{p['rows']} x {p['T']} tokens, {p['W']} scored",
                  "prefill chunk": lambda: f"{p['rows']} x {p['chunk']} against {p['prompt']}",
                  "decode step": lambda: f"{p['rows']} rows, {p['blocks']} blocks of {p['block']}, window {p['window']}"}[name]()
         lines.append(f"| {name} | {shape} | {p['xla_arguments'] / G:.2f} | {p['xla_temporaries'] / G:.2f} | "
-                     f"{p['plan_temporaries'] / G:.2f} | {p['xla_outputs'] / G:.2f} | {p['xla_flops'] / 1e12:.2f} | "
-                     f"{p['plan_flops'] / 1e12:.2f} | {p['xla_compile_s']:.0f} |")
-    lines.append("(per device; XLA's flops are its cost analysis of one device's program)")
+                     f"{p['plan_temporaries'] / G:.2f} | {p['xla_outputs'] / G:.2f} | "
+                     f"{_tflop(p['xla_matmul_flops'], p.get('xla_unknown_loops'))} | {p['plan_flops'] / 1e12:.2f} | "
+                     f"{p['xla_compile_s']:.0f} |")
+    lines.append("(per device; XLA matmul TFLOP: the dots and convolutions of the optimized HLO, loops weighted by "
+                 "their trip counts (marl_jax.hlo_bytes), no elementwise work and no Pallas kernel's (splash, paged "
+                 "attention), >= where a loop's trip count is data (counted once); the plan's are every matmul, "
+                 "attention included, remat full's recompute a whole forward; --json has XLA's cost_analysis as "
+                 "xla_flops, each loop body once)")
+    by = r.get("update_by_remat")
+    if by:
+        p = r["programs"]["update item"]
+        kernel = any(x["attention_in_kernel"] for x in by.values())
+        lines += ["", f"update item ({p['rows']} x {p['T']} tokens, {p['W']} scored) by remat, per device:", "",
+                  "| remat | rows compiled | XLA:TPU matmul TFLOP | useful TFLOP | ratio | Pallas kernel runs | "
+                  "XLA temporaries GiB | plan temporaries GiB | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+        small = False
+        for mode, x in by.items():
+            small = small or x["rows"] != p["rows"]
+            tmp = f"{x['xla_temporaries'] / G:.2f}" + ("" if x["fits"] else " (does not fit)")
+            lines.append(f"| {mode} | {x['rows']} | {_tflop(x['xla_matmul_flops'], x.get('unknown_loops'))} | "
+                         f"{x['useful_flops'] / 1e12:.2f} | {x['ratio']:.3f} | {x.get('kernels', 0):.0f} | {tmp} | "
+                         f"{x['plan_temporaries'] / G:.2f} | {x['compile_s']:.0f} |")
+        lines.append("(useful: forward + backward with nothing recomputed, plan_aot.useful_update_flops: LoRA "
+                     "2 x (linear + head) + 3 x (adapters + attention), full training 3 x forward"
+                     + ("; the attention core runs in a Pallas kernel (splash: its runs, trip-weighted, say what "
+                        "is recomputed), so it is in neither count" if kernel else "")
+                     + "; ratio: XLA over useful, the recompute"
+                     + ("; a mode that does not fit (XLA:TPU refuses it; its temporaries: what XLA asked for at the "
+                        "run's rows) is compiled at one row per row shard for its FLOPs and ratio" if small else "")
+                     + ")")
     return "\n".join(lines)
