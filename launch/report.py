@@ -47,4 +47,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from marl_jax.cli import run
+
+    run(main, "report.py")

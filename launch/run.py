@@ -3,12 +3,13 @@
     python launch/run.py --config=configs/orch_workers.py [--config.policy=isolated] [--workdir=runs/x]
     python launch/run.py --config=configs/voting.py:qwen3-1.7b,math --config.model.name=/ckpts/Qwen3-1.7B
 
-Any config key can be overridden with --config.<key>=<value>; unknown keys and bad values stop the
-run with a message naming the fix. Re-running with the same --workdir resumes from its last
-checkpoint; a checkpoint made under another config (anything but step counts and logging) is refused,
-listing the differing keys, unless --allow_config_change. Known bad inputs (task files, model folders,
-checkpoints, meshes, a full disk) stop the run with one message naming the fix (MARL_JAX_TRACEBACK=1
-shows the traceback too). On several hosts, set --multihost (or the usual JAX coordinator environment).
+Any config key can be overridden with --config.<key>=<value>; an unknown key or flag and a bad value
+stop the run with one line naming it and the fix, and exit status 2 (marl_jax/cli.py). Re-running with
+the same --workdir resumes from its last checkpoint; a checkpoint made under another config (anything
+but step counts and logging) is refused, listing the differing keys, unless --allow_config_change.
+Known bad inputs (task files, model folders, checkpoints, meshes, a full disk) stop the run with one
+message naming the fix (MARL_JAX_TRACEBACK=1 shows the traceback too). On several hosts, set
+--multihost (or the usual JAX coordinator environment).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "configs/<workflow>.py[:<model>,<task>]", lock_config=True)
@@ -39,7 +40,6 @@ def main(argv):
 
     if FLAGS.multihost or os.environ.get("JAX_COORDINATOR_ADDRESS"):
         jax.distributed.initialize()
-    logging.set_verbosity(logging.WARNING)
     from marl_jax.config import validate
     from marl_jax.jax_setup import enable_compilation_cache, loaded_allocator
 
@@ -73,9 +73,13 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from marl_jax import cli
     from marl_jax.jax_setup import use_fast_allocator
 
     # restarts once under tcmalloc if installed, else glibc with malloc tunables (MARL_JAX_MALLOC=off: never)
-    use_fast_allocator()
+    try:
+        use_fast_allocator()
+    except FileNotFoundError as e:  # a $MARL_JAX_MALLOC that names no installed allocator
+        cli.fail("run.py", e)
     flags.mark_flag_as_required("config")
-    app.run(main)
+    cli.run(main, "run.py")

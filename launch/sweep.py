@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("matrix", None, "configs/matrix.py:<preset> (paper | cpu-small)", lock_config=True)
@@ -33,21 +33,9 @@ FLAGS = flags.FLAGS
 
 
 def _fail(msg: str) -> None:
-    sys.exit(f"sweep: {msg}")
+    from marl_jax.cli import fail
 
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl parsing, with bad --matrix values and unknown --matrix.<key> overrides reported in one message."""
-    from marl_jax.experiments.matrix import error_text, matrix_config
-
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        _fail(f"{error_text(e)}\nPass --helpfull to see the flags.")
-    except (KeyError, AttributeError) as e:
-        given = [a.split("=")[0] for a in argv if a.startswith("--matrix.")]
-        _fail(f"unknown matrix key in {given}: {error_text(e)}\nMatrix keys: {sorted(matrix_config().keys())}; "
-              "--matrix.overrides.<key> takes keys already in the preset's overrides, --set=<key>=<value> adds others.")
+    fail("sweep.py", msg)  # one line, exit status 2 (bad --matrix keys and values: marl_jax.cli.run)
 
 
 def _extra(sets: list[str]) -> dict[str, str]:
@@ -102,4 +90,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    from marl_jax.cli import run
+
+    run(main, "sweep.py")

@@ -22,7 +22,6 @@ named "shared" serves them all.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -185,7 +184,9 @@ def export_run(workdir: str, out: str, *, step: str = "latest", role: str | None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m marl_jax.export", description=__doc__.split("\n\n")[0])
+    from marl_jax.cli import ArgumentParser  # a mistake: one line, exit status 2
+
+    p = ArgumentParser(prog="python -m marl_jax.export", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True, help="the training run folder (config.json + checkpoints/)")
     p.add_argument("--out", required=True, help="folder to write the exports into")
     p.add_argument("--step", default="latest", help="latest, best or a step number")

@@ -1,9 +1,128 @@
-"""Process-wide JAX settings the command-line tools share."""
+"""Process-wide JAX settings the command-line tools share (the platform rule runs on `import marl_jax`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import os
 import sys
+
+
+# ---- platforms: libtpu stays out of processes on machines without a TPU ----
+# With libtpu installed (the `aot` extra) and JAX_PLATFORMS unset, JAX tries the TPU backend first in every
+# process: libtpu prints its missing-TPU errors and holds /tmp/libtpu_lockfile for the process's life, so a
+# second process that loads libtpu (a `plan --aot` beside a training run) fails with "ABORTED: Internal error
+# when accessing libtpu multi-process lockfile". JAX has no switch to skip one platform, so where there is
+# no TPU, `import marl_jax` names the platforms JAX would end up with anyway (keep_libtpu_out).
+# What libtpu opens on a TPU VM (v4/v5p: /dev/accel*, v5e and later: /dev/vfio/<n>) and the variables
+# TPU VM and GKE images set; jax itself reads the PCI ids (hardware_utils).
+_TPU_DEVICE_GLOBS = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
+_TPU_ENV = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_TOPOLOGY", "JAX_FORCE_TPU_INIT")
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # also gVNIC: a TPU is one of the device ids jax's hardware_utils lists
+_TPU_PCI_IDS = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")
+# Variables through which the user (or a parent process) already chose the platforms.
+_CHOSEN_ENV = ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "PJRT_NAMES_AND_LIBRARY_PATHS")
+
+
+def tpu_present(environ=None) -> bool:
+    """True on a machine that may hold a TPU: a TPU device node, a TPU on the PCI bus, or the TPU VM's
+    variables set. Errs towards True: then JAX's own choice stands."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(k) for k in _TPU_ENV) or any(glob.glob(g) for g in _TPU_DEVICE_GLOBS):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() != _GOOGLE_PCI_VENDOR:
+                    continue
+            with open(os.path.join(os.path.dirname(vendor), "device")) as f:
+                if f.read().strip() in _TPU_PCI_IDS:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _jax_plugins() -> list[str]:
+    """Names of the installed JAX PJRT plugins (e.g. 'xla_cuda12 jax_cuda12_plugin'), found as JAX finds
+    them (entry points of group jax_plugins, modules of the jax_plugins namespace) without importing them."""
+    import importlib.metadata
+    import importlib.util
+    import pkgutil
+
+    names = [f"{e.name} {e.value}" for e in importlib.metadata.entry_points(group="jax_plugins")]
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        names += [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]
+    return names
+
+
+def default_platforms(environ=None) -> str | None:
+    """The JAX_PLATFORMS keep_libtpu_out sets: None (JAX's own choice) when the user chose (JAX_PLATFORMS,
+    even empty, JAX_PLATFORM_NAME), a TPU may be present, libtpu is not installed, or a PJRT plugin other
+    than CUDA's or ROCm's is; else 'cpu', after 'cuda' when its plugin is installed (JAX skips cuda where no
+    NVIDIA device is visible, as it does unasked) and 'rocm' when its plugin and an AMD GPU are."""
+    import importlib.util
+
+    environ = os.environ if environ is None else environ
+    if any(k in environ for k in _CHOSEN_ENV) or tpu_present(environ):
+        return None
+    if not environ.get("TPU_LIBRARY_PATH") and importlib.util.find_spec("libtpu") is None:
+        return None  # JAX tries no TPU without libtpu: nothing to keep out
+    platforms = []
+    for plugin in _jax_plugins():
+        if "cuda" in plugin:
+            platforms.append("cuda")
+        elif "rocm" in plugin:
+            if os.path.exists("/dev/kfd"):
+                platforms.append("rocm")
+        else:
+            return None  # a platform this cannot name: leave the choice to JAX
+    return ",".join(dict.fromkeys(platforms + ["cpu"]))
+
+
+def keep_libtpu_out() -> str | None:
+    """Set JAX_PLATFORMS to default_platforms() (the process's environment, inherited by the processes it
+    starts, and JAX's config when JAX is imported). Runs on `import marl_jax`; a no-op once JAX has made
+    its backends. Returns the platforms set, or None."""
+    platforms = default_platforms()
+    if platforms is None:
+        return None
+    jax = sys.modules.get("jax")
+    if jax is not None and hasattr(jax, "config"):
+        try:
+            from jax._src import xla_bridge
+
+            if jax.config.jax_platforms is not None or xla_bridge.backends_are_initialized():
+                return None  # set in code, or too late
+        except (ImportError, AttributeError):
+            return None
+        jax.config.update("jax_platforms", platforms)
+    os.environ["JAX_PLATFORMS"] = platforms
+    return platforms
+
+
+@contextlib.contextmanager
+def compile_only_libtpu():
+    """Around making libtpu's compile-only devices (plan_aot.tpu_topology) on a machine without a TPU: load
+    libtpu without its multi-process lock file (it guards a TPU, and none is opened here, so a training run or
+    another --aot may hold it) and without its lookups of the TPU VM's host layout (TPU_HOST_BOUNDS and
+    TPU_WORKER_HOSTNAMES; the compiled programs are the same with and without them). libtpu reads them as it
+    initializes; they are restored after, so processes started later do not inherit them. On a TPU VM the
+    lock stays: that process may open the TPU too."""
+    env = {} if tpu_present() else {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_HOST_BOUNDS": "1,1,1",
+                                     "TPU_WORKER_HOSTNAMES": "localhost"}
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def enable_compilation_cache(path: str | None = None) -> str:

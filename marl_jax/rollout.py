@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
@@ -149,60 +149,10 @@ def summary(result, roles: Sequence[str], calls: Sequence[dict] = ()) -> str:
 
 
 def _fail(message: str) -> None:
-    """Exit 2 with a one-screen error (absl's usage dump would bury it under every flag)."""
-    sys.stderr.write(f"error: {message}\n(python -m marl_jax.rollout --helpshort lists the flags)\n")
-    sys.exit(2)
+    """Exit 2 with one line naming the mistake and the fix (marl_jax.cli: the rule every entry point shares)."""
+    from marl_jax.cli import fail
 
-
-def _config_file_config(argv: Sequence[str]):
-    """The config file's config before overrides, for naming a bad override (None if unloadable)."""
-    import importlib.util
-
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-config="))), None)
-    if not spec:
-        return None
-    path, _, arg = spec.partition(":")
-    try:
-        mod_spec = importlib.util.spec_from_file_location("_rollout_config", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-        return module.get_config(arg) if arg else module.get_config()
-    except Exception:  # the config file itself is broken: the original error says why
-        return None
-
-
-def _override_error(argv: Sequence[str], exc: Exception) -> str:
-    """Name the --config.<key> override that does not exist and the keys that do at that level."""
-    config = _config_file_config(argv)
-    if config is not None:
-        for a in argv:
-            if not a.startswith("--config."):
-                continue
-            dotted = a[len("--config."):].split("=", 1)[0]
-            node, seen = config, []
-            for part in dotted.split("."):
-                keys = list(node.keys()) if hasattr(node, "keys") else []
-                if part not in keys:
-                    import difflib
-
-                    where = "--config" + "".join("." + k for k in seen)
-                    close = difflib.get_close_matches(part, keys, n=3)
-                    hint = f"; did you mean {', '.join(close)}?" if close else ""
-                    return (f"unknown config key --config.{dotted} ({where} has no key {part!r}{hint}); "
-                            f"keys of {where}: {sorted(keys)}")
-                node, seen = node[part], seen + [part]
-    return f"cannot apply the config overrides: {type(exc).__name__}: {exc}"
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, with config-override mistakes reported by key instead of a traceback."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e))
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        _fail(_override_error(argv, e))
-    return []
+    fail("marl_jax.rollout", message)
 
 
 def _load_config():
@@ -224,13 +174,11 @@ def main(argv: Sequence[str]) -> None:
         _fail(f"unexpected arguments {argv[1:]}; flags are written --name=value")
     config = _load_config()
     import jax
-    from absl import logging
 
     from marl_jax.jax_setup import enable_compilation_cache
     from marl_jax.train.build import build
     from marl_jax.workflows.rollout import format_transcript, rows_to_jsonl
 
-    logging.set_verbosity(logging.WARNING)
     enable_compilation_cache()  # repeated runs skip XLA compiles (MARL_JAX_CACHE=off disables)
 
     t0 = time.perf_counter()
@@ -275,5 +223,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    from marl_jax.cli import run
+
     define_flags()
-    app.run(main, flags_parser=_parse_flags)
+    run(main, "marl_jax.rollout")

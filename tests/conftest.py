@@ -17,9 +17,9 @@ import pytest
 
 SMOLLM = "smollm2-135m-instruct"
 
-# With the aot extra (libtpu) installed, the deviceless TPU compiles of tests/test_plan_aot.py may run while
-# another worker holds libtpu's lock file: allow it (nothing here runs on a TPU).
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# First: on a machine without a TPU, this process and the ones tests start leave libtpu (the aot extra) out
+# (marl_jax.jax_setup.keep_libtpu_out); libtpu's compile-only devices need no lock file (plan_aot.tpu_topology).
+import marl_jax  # noqa: E402,F401
 
 # One XLA compilation cache for the whole session, fresh each time, shared with the subprocesses tests
 # start: tests build many samplers and trainers over the same tiny models, whose programs are the same

@@ -1,4 +1,5 @@
-"""Command-line tools as a user runs them: `python -m marl_jax.generate` and `python -m marl_jax.models.parity`.
+"""Command-line tools as a user runs them: `python -m marl_jax.generate` and `python -m marl_jax.models.parity`,
+and every entry point's answer to a mistake on its command line (marl_jax/cli.py).
 
 The subprocesses are independent, so they all start together (module fixture) and each test waits for its own.
 """
@@ -110,7 +111,7 @@ def test_generate_chat_on_embedded_model(runs):
 
 def test_generate_usage_errors(runs):
     rc, _, err = runs("no_prompt")
-    assert rc == 1 and "--prompt" in err
+    assert rc == 2 and err.strip() == "marl_jax.generate: give at least one --prompt=... or --prompt_file=...", err
 
 
 def _metrics(out: str) -> dict[str, float]:
@@ -152,3 +153,85 @@ def test_compare_logits_hand_worked():
     assert r.mean_kl == pytest.approx((0.5 * math.log(4 / 3) + kl1) / 2, rel=1e-9)
     assert r.greedy_agreement == 0.5  # position 0: argmax 0 vs 1; position 1: both 0
     assert not r.ok(atol=1e-4) and not r.ok(atol=2.0) and r.ok(atol=2.0, min_agreement=0.5)
+
+
+# ---- mistakes on the command line: one line naming the key and the fix, exit status 2, no traceback ----
+
+def _user_env() -> dict[str, str]:
+    """A user's shell: no JAX_PLATFORMS (the tools choose the platforms, so a backend probe would show), no
+    MARL_JAX_TRACEBACK."""
+    return {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "MARL_JAX_TRACEBACK")}
+
+
+_PY = sys.executable
+_VOTING = "--config=configs/voting.py"
+# (command, the tool's name on the line, what the line must say: the key or flag and its fix)
+MISTAKES = {
+    "unknown_config_key": ([_PY, "launch/run.py", _VOTING, "--config.polcy=shared"], "run.py",
+                           ["unknown config key 'polcy'", "did you mean --config.policy?", "keys of --config: "]),
+    "unknown_nested_key": ([_PY, "-m", "marl_jax.plan", _VOTING, "--config.rollout.max_new_token.generator=3"],
+                           "marl_jax.plan",
+                           ["'max_new_token'", "did you mean --config.rollout.max_new_tokens.generator?"]),
+    "wrong_type": ([_PY, "launch/run.py", _VOTING, "--config.optim.lr=abc"], "run.py",
+                   ["--config.optim.lr=abc", "--config.optim.lr takes a float"]),
+    "not_a_value": ([_PY, "launch/run.py", _VOTING, "--config.rollout.max_new_tokens=3"], "run.py",
+                    ["is a group of keys (aggregator, generator)",
+                     "set one of them, e.g. --config.rollout.max_new_tokens."]),
+    "validate_errors": ([_PY, "launch/run.py", _VOTING, "--config.policy=foo", "--config.optim.lr=-1"], "run.py",
+                        ["--config.policy='foo' is not one of ['shared', 'isolated']",
+                         "; --config.optim.lr must be > 0, got -1.0"]),
+    "unknown_flag": ([_PY, "launch/run.py", _VOTING, "--workdirr=runs/x"], "run.py",
+                     ["unknown flag --workdirr", "did you mean --workdir?"]),
+    "misspelt_config_flag": ([_PY, "-m", "marl_jax.rollout", _VOTING, "--confg.policy=shared"], "marl_jax.rollout",
+                             ["unknown flag --confg.policy", "did you mean --config.policy?"]),
+    "no_config_file": ([_PY, "launch/run.py", "--config=configs/votnig.py"], "run.py",
+                       ["no config file 'configs/votnig.py'", "--config=configs/<workflow>.py"]),
+    "bad_config_argument": ([_PY, "launch/run.py", "--config=configs/voting.py:qwen3,math"], "run.py",
+                            ["config argument 'qwen3,math'", "e.g. configs/voting.py:qwen3-1.7b,math"]),
+    "missing_config": ([_PY, "launch/run.py"], "run.py", ["--config is required", "configs/<workflow>.py"]),
+    "generate_max_new_tokens": ([_PY, "-m", "marl_jax.generate", "--prompt=hi", "--max_new_tokens=0"],
+                                "marl_jax.generate", ["--max_new_tokens=0: 0 is not a positive integer",
+                                                      "Maximum new tokens per prompt"]),
+    "generate_top_p": ([_PY, "-m", "marl_jax.generate", "--prompt=hi", "--top_p=0"], "marl_jax.generate",
+                       ["--top_p=0", "must be in (0, 1]"]),
+    "rollout_flag_type": ([_PY, "-m", "marl_jax.rollout", _VOTING, "--seed=x"], "marl_jax.rollout",
+                          ["--seed=x", "--seed: PRNG seed"]),
+    "sweep_matrix_key": ([_PY, "launch/sweep.py", "--matrix=configs/matrix.py:cpu-small", "--root=unused",
+                          "--print_commands", "--matrix.seed=1"], "sweep.py", ["did you mean --matrix.seeds?"]),
+    "report_required": ([_PY, "launch/report.py"], "report.py", ["--root is required"]),
+    "parity_required": ([_PY, "-m", "marl_jax.models.parity"], "marl_jax.models.parity", ["--hf_dir is required"]),
+    "export_argparse": ([_PY, "-m", "marl_jax.export", "--out=unused"], "python -m marl_jax.export",
+                        ["the following arguments are required: --workdir"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISTAKES))
+def test_a_command_line_mistake_is_one_line_naming_the_fix(case):
+    """Before anything loads: exit status 2, nothing on stdout, one line on stderr (`<tool>: ...`) that names the
+    key or flag and the fix, no traceback, and no backend-probe noise."""
+    cmd, prog, wanted = MISTAKES[case]
+    p = subprocess.run(cmd, cwd=REPO, env=_user_env(), capture_output=True, text=True, timeout=120)
+    err = p.stderr
+    assert p.returncode == 2, (p.returncode, err[-3000:])
+    assert "Traceback" not in err and "Unable to initialize backend" not in p.stdout + err, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prog + ": "), err
+    for w in wanted:
+        assert w in lines[0], (w, lines[0])
+    assert p.stdout == ""
+
+
+def test_a_cli_run_on_cpu_prints_no_backend_probe(tiny_dir, tmp_path):
+    """A whole generate run on a CPU machine as a user starts it (no JAX_PLATFORMS; libtpu may be installed):
+    neither JAX's "Unable to initialize backend 'tpu'" (absl's default INFO level would pass it on) nor libtpu's
+    own messages."""
+    p = subprocess.run([_PY, "-m", "marl_jax.generate", f"--model={tiny_dir}", "--prompt=hi", "--max_new_tokens=2"],
+                       cwd=REPO, env={**_user_env(), "MARL_JAX_CACHE": str(tmp_path)}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout + p.stderr
+    assert "Unable to initialize backend" not in out, p.stderr[-3000:]
+    from marl_jax.jax_setup import tpu_present
+
+    if not tpu_present():  # where a TPU may be, JAX opens it, as it should
+        assert "libtpu" not in out and "TPU" not in out, p.stderr[-3000:]

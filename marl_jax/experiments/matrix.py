@@ -262,7 +262,11 @@ def cell_config(cell: Cell, root: str = "/tmp/unused") -> ml_collections.ConfigD
         fv(argv)
         return validate(fv.config)
     except (flags.Error, KeyError, AttributeError, TypeError, ValueError) as e:
-        raise ValueError(f"cell {cell.name}: {error_text(e)}\n  command: {shlex.join(argv)}") from None
+        from marl_jax.cli import flag_error  # the message run.py itself would print for this command
+
+        plain = isinstance(e, ValueError) and not isinstance(e, flags.Error)  # validate()'s
+        text = str(e) if plain else flag_error(e, argv, fv)
+        raise ValueError(f"cell {cell.name}: {text}\n  command: {shlex.join(argv)}") from None
 
 
 def error_text(e: BaseException) -> str:

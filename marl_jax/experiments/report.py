@@ -1018,13 +1018,21 @@ def write_levers_report(root: str | os.PathLike, out: str | os.PathLike, **kw: A
 
 
 if __name__ == "__main__":  # python -m marl_jax.experiments.report levers --root=runs/levers --out=docs/results/levers
-    import argparse
+    from marl_jax.cli import ArgumentParser  # a mistake: one line, exit status 2
 
-    ap = argparse.ArgumentParser(description="Levers report with bootstrap intervals and paired differences.")
+    ap = ArgumentParser(prog="python -m marl_jax.experiments.report",
+                        description="Levers report with bootstrap intervals and paired differences.")
     ap.add_argument("what", choices=["levers"])
     ap.add_argument("--root", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seeds", default="", help="comma-separated seeds to count (default: every finished cell)")
     a = ap.parse_args()
-    r = write_levers_report(a.root, a.out, seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None)
+    try:
+        seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None
+    except ValueError:
+        ap.error(f"--seeds={a.seeds!r}: expected comma-separated integers, e.g. --seeds=0,1,2")
+    try:
+        r = write_levers_report(a.root, a.out, seeds=seeds)
+    except FileNotFoundError as e:  # --root names no sweep
+        ap.error(str(e))
     print(f"{len(r['rows'])} groups, {len(r['unfinished'])} cells not counted: {r['readme']}")

@@ -14,17 +14,19 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "HF checkpoint folder, .gg
 flags.DEFINE_multi_string("prompt", None, "Prompt text (repeat the flag for a batch).")
 flags.DEFINE_multi_string("prompt_file", None, "A file whose text is one prompt (for prompts too long for "
                           "the command line; repeatable, after the --prompt ones).")
-flags.DEFINE_integer("max_new_tokens", 128, "Maximum new tokens per prompt.")
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
-flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 = off.")
+# Bounds are checked as the flags are parsed: a bad value ends in one line naming the flag (marl_jax.cli).
+flags.DEFINE_integer("max_new_tokens", 128, "Maximum new tokens per prompt.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1]; 1 = off.", upper_bound=1.0)
+flags.register_validator("top_p", lambda p: p > 0.0, "--top_p must be in (0, 1] (1 = off)")
+flags.DEFINE_integer("top_k", 0, "Top-k sampling; 0 = off.", lower_bound=0)
 flags.DEFINE_bool("chat", False, "Wrap each prompt as a user turn with the model's chat template.")
 flags.DEFINE_string("system", None, "System message (with --chat).")
 flags.DEFINE_integer("seed", 0, "PRNG seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 flags.DEFINE_bool("paged", False, "Paged KV cache (blocks held only where rows have tokens; same output).")
 flags.DEFINE_float("kv_budget_gb", 0.0, "Fix the paged KV pool at this many GiB: rows beyond it wait or are "
-                   "preempted and recomputed (same output); 0 = no budget.")
+                   "preempted and recomputed (same output); 0 = no budget.", lower_bound=0.0)
 # The default is marl_jax.generate.prefill.PREFILL_CHUNK (and rollout.prefill_chunk's), kept literal so that
 # --help does not import JAX.
 flags.DEFINE_integer("prefill_chunk", 2048, "Prompts are prefilled in chunks of at most this many tokens "
@@ -128,4 +130,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from marl_jax.cli import run
+
+    run(main, "marl_jax.generate")
