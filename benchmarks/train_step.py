@@ -392,10 +392,10 @@ def main(argv: list[str] | None = None) -> None:
                           grid=args.length_grid, packing=args.packing, share_prefix=args.share_prefix,
                           max_tokens=args.max_tokens_per_micro_batch, by_group=False)
         jax_pos = sum(it.positions for it in plan)
-        jax_pairs = sum(it.positions * it.kind[-1] for it in plan)
+        jax_pairs = sum(it.positions * it.shape.t for it in plan)
         jax_head = sum(len(it.rows) * W for it in plan)
         packing_note += (f"; token budget {args.max_tokens_per_micro_batch}: {len(plan)} micro-batches (rows, shape) "
-                         f"{[(int((it.rows >= 0).sum()), it.kind[1:]) for it in plan]}")
+                         f"{[(int((it.rows >= 0).sum()), tuple(it.shape)) for it in plan]}")
     torch_pos, torch_pairs = computed_positions(rows, args.micro_batch, lambda n: n)
     torch_head = sum(len(rows[s:s + args.micro_batch]) * max(len(r.completion_tokens) for r in rows[s:s + args.micro_batch])
                      for s in range(0, len(rows), args.micro_batch))

@@ -75,13 +75,15 @@ def synth(args, vocab: int, special: set[int]) -> list[Row]:
 def executed_flops(cfg, spec, plan, W: int, remat: str) -> tuple[float, list[tuple[int, int]]]:
     """FLOPs the step computes over its items (positions at their window, keys per query = the window) and
     the (positions, head rows) of each item."""
+    from marl_jax.rl.layout import Packed
+
     total, shapes = 0.0, []
     for it in plan:
         rows = len(it.rows)
         pos = int(it.positions)
-        t = int(it.kind[-1])
+        t = int(it.shape.t)
         head = rows * min(W, t)
-        if it.kind[0] == "pack":  # packed items score their completion tokens only (update.scored_positions)
+        if isinstance(it.shape, Packed):  # packed items score their completion tokens only (update.scored_positions)
             head = min(head, pos)
         f = step_flops(cfg, spec, pos, t, head)
         if remat != "none":  # the forward again (dots: all but the saved matmuls; counted whole, an upper bound)

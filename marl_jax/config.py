@@ -53,10 +53,17 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         group_size=8, temperature=0.7, top_p=1.0, top_k=0, credit="broadcast",
         group_by_call_index="auto",  # auto (the workflow's default) | true | false
         max_new_tokens=ml_collections.ConfigDict({r: 1024 for r in roles}),
+        # The longest prompt before any earlier stage's output (system prompt, instructions, problem) that the
+        # run's compiled shapes are sized for: the update pads every row to this plus the workflow's completion
+        # limits along its stages, bucketed (marl_jax.plan.update_lengths), so its programs come from one set
+        # compiled before the first step; a longer prompt still runs, compiling what it needs when met
+        # (compile_s in metrics.jsonl). The planner's default --prompt_tokens.
+        prompt_tokens=512,
         max_batch=256,
         # KV cache: dense (rows x (prompt + max new tokens) slots) or paged (blocks of kv_block slots from one
-        # pool, held only where rows have tokens; same completions, less memory, a gather per layer per step)
-        paged_kv=False, kv_block=16,
+        # pool, held only where rows have tokens; same completions, less memory); auto: paged on TPU, where
+        # decode reads the pool in place (marl_jax.generate.buckets.paged_by_default), dense elsewhere
+        paged_kv="auto", kv_block=16,
         # What keys and values are stored in: auto = model.dtype; bfloat16 halves the cache under float32
         # compute (they are read back in model.dtype), and TPU paged decode's kernel needs a bfloat16 pool
         kv_dtype="auto",
@@ -98,6 +105,11 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # role group as this many computed positions allow (one long row alone, many short ones together)
         # instead of micro_batch rows; same loss and gradients (marl_jax.rl.layout.budget_items). 0: off
         max_tokens_per_micro_batch=0,
+        # Truncated importance sampling (verl's tis_imp_ratio_cap, TRL's vllm_importance_sampling_cap): each
+        # token's policy-gradient term times min(p_trainer / p_sampler, tis_cap), no gradient through it, where
+        # the sampler's log-prob and the trainer's recomputation of it differ (bfloat16 rollouts, another
+        # attention kernel); needs old_logp=recompute. 0: off (docs/levers.md#sampler-and-trainer-log-probs)
+        tis_cap=0.0,
     ))
     c.optim = ml_collections.ConfigDict(dict(
         lr=2e-5, weight_decay=0.01, grad_clip=1.0, schedule="constant", warmup_steps=0, min_lr_ratio=0.0))
@@ -105,6 +117,9 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         steps=300, seed=0, val_every=10, val_temperature=0.7, val_samples=1, ckpt_every=10, keep_ckpts=3,
         cliff_drop=0.15, cliff_patience=3, stop_on_cliff=False, restore_best_on_cliff=True,
         tensorboard=True, plots=True,
+        # Compile the update's programs (every item shape the config allows, rl.layout.update_shapes) before the
+        # first step, so that no later step compiles one (compile_s in metrics.jsonl)
+        warmup=True,
     ))
     # Levers on each role's exact gradient before clipping (formulas: marl_jax/rl/levers.py). damping: lambda
     # of gradient-coherence damping (0 = off) over an EMA of damping_window steps; fanout: none | inverse |
@@ -163,6 +178,7 @@ def cpu_default(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.rollout.group_size = 4
     for r in c.rollout.max_new_tokens:
         c.rollout.max_new_tokens[r] = 32
+    c.rollout.prompt_tokens = 96  # compact prompts of one-digit additions: orch_workers' orchestrator's is 70 tokens
     c.trainable.update(rank=8, alpha=16.0)
     c.optim.update(lr=3e-4, grad_clip=1.0)  # 1e-3 collapsed to guessed one-line answers within 7 steps
     # Short sequences: keep the matmul activations (remat "dots") instead of recomputing whole layers. A
@@ -171,6 +187,15 @@ def cpu_default(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.grpo.update(micro_batch=8, remat="dots", packing=True, share_prefix=16)
     c.train.update(steps=6, val_every=3, ckpt_every=3, val_temperature=0.0)
     return c
+
+
+def paged_kv(config, backend: str) -> bool:
+    """Whether the sampler's KV cache is paged on `backend`: rollout.paged_kv (auto | true | false), and always
+    under a KV budget."""
+    from marl_jax.generate.buckets import paged_by_default
+    want = str(config.rollout.get("paged_kv", "auto")).lower()
+    paged = paged_by_default(backend) if want == "auto" else want == "true"
+    return paged or float(config.rollout.get("kv_budget_gb", 0.0)) > 0
 
 
 def kv_dtype(config) -> str:
@@ -229,6 +254,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         errors.append(f"--config.rollout.top_p must be in (0, 1], got {c.rollout.top_p}")
     if c.rollout.temperature < 0:
         errors.append(f"--config.rollout.temperature must be >= 0, got {c.rollout.temperature}")
+    if str(c.rollout.paged_kv).lower() not in ("auto", "true", "false"):
+        errors.append(f"--config.rollout.paged_kv must be auto, true or false, got {c.rollout.paged_kv!r}")
     if str(c.rollout.group_by_call_index).lower() not in ("auto", "true", "false"):
         errors.append(f"--config.rollout.group_by_call_index must be auto, true or false, "
                       f"got {c.rollout.group_by_call_index!r}")
@@ -243,6 +270,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if c.grpo.max_tokens_per_micro_batch < 0:
         errors.append("--config.grpo.max_tokens_per_micro_batch must be >= 0 (0 = off: grpo.micro_batch rows per "
                       f"micro-batch), got {c.grpo.max_tokens_per_micro_batch}")
+    tis_cap = c.grpo.get("tis_cap", 0.0)
+    if tis_cap < 0:
+        errors.append(f"--config.grpo.tis_cap must be >= 0 (0 = off), got {tis_cap}")
+    elif tis_cap and c.grpo.old_logp != "recompute":
+        errors.append(f"--config.grpo.tis_cap={tis_cap} weights the PPO ratio against the trainer's own old log-probs "
+                      "by the trainer-to-sampler ratio: add --config.grpo.old_logp=recompute")
+    if int(c.rollout.get("prompt_tokens", 512)) < 1:
+        errors.append(f"--config.rollout.prompt_tokens must be >= 1, got {c.rollout.prompt_tokens}")
     if c.optim.lr <= 0:
         errors.append(f"--config.optim.lr must be > 0, got {c.optim.lr}")
     if c.task.source in ("file", "code_file") and not c.task.path:

@@ -248,17 +248,20 @@ def test_resume_of_a_checkpoint_from_before_a_key_existed(tiny_run, prompt_dir, 
 
 def test_resume_under_another_layout_of_the_same_computation(tiny_run, prompt_dir):
     """Packing, prefix sharing, recomputation, unrolled layers, the window grid, token-budget micro-batches, the
-    attention implementation, the sampler's batch, paged KV, prefill chunks, the KV budget, the refill's token cap and compaction buckets change speed and memory, not what is computed: a run resumes under new values of them (and only them)."""
+    attention implementation, the sampler's batch, paged KV, prefill chunks, the KV budget, the refill's token cap,
+    compaction buckets, the update's prompt sizing and its warm-up change speed and memory, not what is computed: a run resumes under new values of them (and only them)."""
     from marl_jax.train.checkpoint import LAYOUT_KEYS, RESUMABLE_KEYS
     from marl_jax.train.loop import Trainer, check_resume_config
 
     workdir, model, tasks = tiny_run
     c = _tiny_run_config(prompt_dir)
     c.grpo.update(packing=False, share_prefix=0, remat="full", remat_budget_gb=1.0, unroll=True, length_grid=8)
-    c.rollout.update(max_batch=16, paged_kv=True, kv_block=8, compaction_buckets=4, compaction_patience=8,
+    c.rollout.update(max_batch=16, paged_kv="true", kv_block=8, compaction_buckets=4, compaction_patience=8,
                      prefill_chunk=64, kv_budget_gb=0.5, max_batched_tokens=4096)
     c.model.attention = "blockwise"
     c.grpo.max_tokens_per_micro_batch = 4096
+    c.rollout.prompt_tokens = 333
+    c.train.warmup = not c.train.warmup
     changed = {k for k, a, b in config_changes(json.load(open(os.path.join(workdir, "config.json"))),
                                                c.to_dict(), ignore=tuple(set(RESUMABLE_KEYS) - set(LAYOUT_KEYS)))}
     assert changed == set(LAYOUT_KEYS)  # every layout key differs from the checkpoint's

@@ -361,3 +361,55 @@ def test_bad_options_raise():
         policy_loss(z, z, jnp.zeros(3), z)
     with pytest.raises(ValueError, match="kl_estimator"):
         policy_loss(z, z, jnp.zeros(1), z, kl_estimator="k9")
+
+
+# ---- the sampler's log-probs against the trainer's; truncated importance sampling --------------------
+def test_logp_gap_stats_by_hand():
+    """Sampler log-probs 0.1 below the trainer's on both tokens of a row: |gap| = 0.1 per token and
+    k3 = r - 1 - log r with r = p_trainer / p_sampler = e^0.1, i.e. e^0.1 - 1.1 = 0.0051709; the padding token
+    (mask 0) counts nowhere. The opposite shift gives e^-0.1 - 0.9 = 0.0048374: the estimator is not symmetric,
+    so a swapped sign would show."""
+    lp = jnp.array([[-1.0, -2.0, -7.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0]])
+    for shift, k3 in ((-0.1, math.exp(0.1) - 1.1), (0.1, math.exp(-0.1) - 0.9)):
+        st = policy_loss_stats(lp, lp, jnp.array([1.0]), mask, sampler_logp=lp + shift)
+        np.testing.assert_allclose(float(st["logp_gap_abs"]), 0.2, rtol=1e-5)
+        np.testing.assert_allclose(float(st["logp_gap_k3"]), 2 * k3, rtol=1e-4)
+        fin = finalize_stats(st)
+        np.testing.assert_allclose(float(fin["logp_gap_mean_abs"]), 0.1, rtol=1e-5)
+        np.testing.assert_allclose(float(fin["logp_gap_k3"]), k3, rtol=1e-4)
+    assert "logp_gap_abs" not in policy_loss_stats(lp, lp, jnp.array([1.0]), mask)
+
+
+@pytest.mark.parametrize("cap,w", [(2.0, math.exp(0.1)), (1.05, 1.05)])
+def test_truncated_importance_sampling_by_hand(cap, w):
+    """One row of two tokens, A = 1, old = logp (recompute: ratio 1), sampler = logp - 0.1: each token's pg term
+    -A * ratio = -1 is weighted by w = min(e^0.1, C), so the seq-mean-token-mean numerator is -w and its gradient
+    -w / 2 per token; the weight carries no gradient. A token whose ratio is clipped (logp - old = 0.5 > log 1.28)
+    keeps its clipped value, times w, and no gradient."""
+    lp = jnp.array([[-1.0, -2.0]])
+    mask, adv = jnp.ones((1, 2)), jnp.array([1.0])
+    sg = jax.lax.stop_gradient
+
+    def num(x, old, tis):
+        return policy_loss_terms(x, old, adv, mask, sampler_logp=sg(x) - 0.1, tis_cap=tis)[0]
+
+    np.testing.assert_allclose(float(num(lp, lp, 0.0)), -1.0, rtol=1e-6)
+    np.testing.assert_allclose(float(num(lp, lp, cap)), -w, rtol=1e-6)
+    g = jax.grad(lambda x: num(x, sg(x), cap))(lp)
+    np.testing.assert_allclose(np.asarray(g), [[-w / 2, -w / 2]], rtol=1e-5)
+    g_plain = jax.grad(lambda x: num(x, sg(x), 0.0))(lp)
+    np.testing.assert_allclose(np.asarray(g), w * np.asarray(g_plain), rtol=1e-6)
+    np.testing.assert_allclose(float(num(lp, lp - 0.5, cap)), -1.28 * w, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda x: num(x, lp - 0.5, cap))(lp)), 0.0, atol=1e-7)
+    st = policy_loss_stats(lp, lp, adv, mask, sampler_logp=lp - 0.1, tis_cap=cap)
+    assert float(finalize_stats(st)["tis_capped_frac"]) == (1.0 if cap < math.exp(0.1) else 0.0)
+    np.testing.assert_allclose(float(finalize_stats(st)["pg_loss"]), -w, rtol=1e-6)  # the stats see the weight
+
+
+def test_truncated_importance_sampling_needs_a_cap_and_the_sampler():
+    lp, mask, adv = jnp.zeros((1, 2)), jnp.ones((1, 2)), jnp.ones((1,))
+    with pytest.raises(ValueError, match="pass sampler_logp"):
+        policy_loss_terms(lp, lp, adv, mask, tis_cap=2.0)
+    with pytest.raises(ValueError, match="tis_cap must be >= 0"):
+        policy_loss_terms(lp, lp, adv, mask, sampler_logp=lp, tis_cap=-1.0)

@@ -1,5 +1,5 @@
 """Sharding on 8 fake CPU devices: every ("data", "fsdp", "model") mesh gives the one-device logits, greedy
-samples and GRPO update (Shared / Isolated x LoRA / full; item programs and the fused program), and full
+samples and GRPO update (Shared / Isolated x LoRA / full; packed items over two batches), and full
 training's per-device bytes fall as 1/fsdp.
 
 XLA_FLAGS must be set before jax starts, so the multi-device part runs once, in a subprocess
@@ -67,12 +67,12 @@ def test_sharded_update_equals_one_device(report, case):
     assert r["out_specs_kept"]  # the new state comes back in the shardings it went in with
 
 
-def test_item_programs_on_a_mesh_give_the_fused_step_and_compile_once_per_shape(report):
-    """On a 2x2x2 mesh, packed, two steps over batches of other rows: the item programs (the default) give
-    the fused program's step (test_sharded_update_equals_one_device: the one-device step); one item program
-    per (packed shape, completion window) the batches used, none twice; the new state keeps its shardings."""
+def test_packed_item_programs_on_a_mesh_give_one_devices_steps_and_compile_once_per_shape(report):
+    """On a 2x2x2 mesh, packed, two steps over batches of other rows: the one-device steps (metrics and
+    weights); one item program per (packed shape, completion window) the batches used, none twice; the new
+    state keeps its shardings."""
     r = report["programs"]
-    assert r["items_vs_fused"] <= 1e-5
+    assert r["mesh_vs_one_device"] <= 1e-5
     assert r["item_programs"] == r["item_shapes"] >= 2
     assert r["out_specs_kept"]
     assert min(r["grad_norms"]) > 0  # every role had rows: the comparison covers real gradients

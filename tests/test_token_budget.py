@@ -17,6 +17,7 @@ from marl_jax.rl import layout
 from marl_jax.rl import optim
 from marl_jax.rl import update as U
 from marl_jax.rl.batch import make_batch, make_groups
+from marl_jax.rl.layout import Packed, Window
 from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
 from test_update import CFG, LR, FakeRow, _assert_tree_close, _setup
 
@@ -29,10 +30,10 @@ def test_the_long_row_runs_alone_and_short_rows_fill_micro_batches_to_the_budget
     lens = np.array([[30000] + [500] * 60 + [0] * 3])
     w, g = (lens > 0).astype(np.float32), np.where(lens > 0, 0, -1)
     items = layout.budget_items(lens, w, g, budget=32768, T=32768, W=1024)
-    assert [(list(_live(it)), it.kind) for it in items[:1]] == [([0], ("window", 32768))]
+    assert [(list(_live(it)), it.shape) for it in items[:1]] == [([0], Window(32768))]
     # 500 tokens run over a 512 window: 64 rows fit 32768 positions, so all sixty share one micro-batch
     # (padded to 64 rows, the grid size that holds them).
-    assert len(items) == 2 and items[1].kind == ("window", 512) and len(items[1].rows) == 64
+    assert len(items) == 2 and items[1].shape == Window(512) and len(items[1].rows) == 64
     assert sorted(_live(items[1])) == list(range(1, 61))
     assert all(it.positions <= 32768 for it in items)
     # Two hundred short rows: full micro-batches of 64 (64 x 512 = the budget), then the 8 left.
@@ -44,11 +45,11 @@ def test_the_long_row_runs_alone_and_short_rows_fill_micro_batches_to_the_budget
     # A row whose window (32768) is over the budget runs alone, over its window.
     items = layout.budget_items(lens[:, :3], np.ones((1, 3), np.float32), np.zeros((1, 3), int), budget=16384,
                                 T=32768, W=1024)
-    assert [(list(_live(it)), it.kind) for it in items] == [([0], ("window", 32768)), ([1, 2], ("window", 512))]
+    assert [(list(_live(it)), it.shape) for it in items] == [([0], Window(32768)), ([1, 2], Window(512))]
     # Packed: the long row's sequence takes short rows after it; the rest pack 64 sequences of 512.
     items = layout.budget_items(lens, np.ones(lens.shape, np.float32), np.zeros(lens.shape, int), budget=32768,
                                 T=32768, W=256, packing=True)
-    assert items[0].kind == ("pack", 1, 32768) and len(_live(items[0])) == 1 + (32768 - 30000) // 500
+    assert items[0].shape == Packed(1, 32768) and len(_live(items[0])) == 1 + (32768 - 30000) // 500
     assert all(it.positions <= 32768 for it in items)
     assert sorted(np.concatenate([_live(it) for it in items])) == list(range(201))
 
@@ -74,18 +75,18 @@ def test_micro_batches_hold_one_slot_and_group_every_row_once_within_the_budget(
         assert len({int(g) for g in group[it.slot, rows]}) == 1  # one slot (the item's) and one group
         assert not seen & {(it.slot, int(r)) for r in rows}
         seen |= {(it.slot, int(r)) for r in rows}
-        t = it.kind[-1]
+        t = it.shape.t
         assert length[it.slot, rows].max() <= t
         # over the budget only for a row whose window is: alone (packed: in one sequence, with what fits beside it)
-        assert it.positions <= budget or (t > budget and (it.kind[1] == 1 if packing else len(rows) == 1))
+        assert it.positions <= budget or (t > budget and (it.shape.p == 1 if packing else len(rows) == 1))
         if packing:  # rows laid in the item's sequences without overlap (a shared prefix is written once)
-            p = it.kind[1]
+            p = it.shape.p
             taken = np.zeros((p, t), int)
             for a, r in enumerate(it.rows):
                 if r < 0:
                     continue
-                c = it.pack["pack_share"][a] if share else 0
-                s_, o_ = it.pack["pack_seq"][a], it.pack["pack_off"][a]
+                c = it.pack.share[a] if share else 0
+                s_, o_ = it.pack.seq[a], it.pack.off[a]
                 assert s_ < p and o_ + length[it.slot, r] <= t
                 taken[s_, o_ + c:o_ + length[it.slot, r]] += 1
             assert taken.max() <= 1
@@ -103,7 +104,8 @@ ROLES = ["gen", "judge"]
 
 def _rows():
     """Under a 100-token budget: a long row alone, two long rows (one task's episodes, sharing their prompt)
-    together, six short rows in one micro-batch (the last of them topping up its padded row count)."""
+    together, six short rows in one micro-batch unpacked (the last of them topping up its padded row count),
+    in as many 64-token sequences as they need packed."""
     rng = np.random.RandomState(3)
     row = lambda role, p, c, i=0: FakeRow(list(rng.randint(1, 64, p)), list(rng.randint(1, 64, c)),
                                           list(-rng.uniform(0.5, 4.0, c)), role, i)
@@ -140,7 +142,10 @@ def test_a_token_budget_gives_the_fixed_micro_batches_step(r2s, packing, share):
     items = layout.plan_items(budget[2], micro_batch=4, length_buckets=1, packing=packing, share_prefix=share,
                               max_tokens=100)
     sizes = sorted(len(_live(it)) for it in items)
-    assert sizes[0] == 1 and sizes[-1] > 4, sizes  # micro-batches other than the fixed layout's 4 rows
+    if not packing:  # the six short rows in one micro-batch, past the fixed layout's 4 rows
+        assert sizes[0] == 1 and sizes[-1] > 4, sizes
+    else:  # one sequence of T=64 tokens per item (pack_window: the budget holds one), as many rows as fit in it
+        assert {it.shape for it in items} == {Packed(1, 64)} and sizes[0] == 1 and len(set(sizes)) > 2, sizes
     for k in ("loss", "loss_per_slot", "role_grad_norm", "role_grad_share", "role_grad_norm_share", "role_grad_cos",
               "role_copy_alignment", "group_grad_norm", "slot_grad_norm"):
         np.testing.assert_allclose(np.asarray(budget[1][k]), np.asarray(fixed[1][k]), rtol=1e-5, atol=1e-6,
@@ -154,12 +159,13 @@ def test_a_token_budget_gives_the_fixed_micro_batches_step(r2s, packing, share):
 
 def test_packed_items_hold_more_rows_than_the_head_window_allows_and_give_the_same_step():
     """Packed items run the LM head over their completion tokens only (update.scored_positions), so under a
-    budget they fill with short rows past budget // window (the cap a head over every row's window needs): the
-    step still equals the fixed micro-batches'."""
+    budget they hold budget // ROW_TOKENS rows, past budget // window (the cap a head over every row's window
+    needs) where the window is longer than ROW_TOKENS: the step still equals the fixed micro-batches'."""
     rng = np.random.RandomState(5)
     row = lambda role, p, c: FakeRow(list(rng.randint(1, 64, p)), list(rng.randint(1, 64, c)),
                                      list(-rng.uniform(0.5, 4.0, c)), role, 0)
-    rows = [row("gen", 6, 8), row("judge", 10, 5)] + [row("judge", 2, int(rng.randint(1, 3))) for _ in range(14)]
+    # one completion of 24 tokens: a window past ROW_TOKENS, so the head over rows x window holds fewer rows
+    rows = [row("gen", 6, 24), row("judge", 10, 5)] + [row("judge", 2, int(rng.randint(1, 3))) for _ in range(14)]
     rows_advs = (rows, list(rng.randn(len(rows))))
     r2s, budget = {"gen": 0, "judge": 0}, 64
     fixed = _budget_step(r2s, budget=0, packing=True, rows=rows_advs)
@@ -188,8 +194,8 @@ def test_compiled_item_shapes_stay_few_across_batches():
         items = layout.plan_items(batch, micro_batch=4, length_buckets=1, max_tokens=budget)
         n_items += len(items)
         for it in items:
-            assert len(it.rows) <= max(1, budget // it.kind[1])
-            shapes.add((len(it.rows), it.kind, batch.targets.shape[2]))
+            assert len(it.rows) <= max(1, budget // it.shape.t)
+            shapes.add((len(it.rows), it.shape, batch.targets.shape[2]))
         counts.append(step.item_programs())
     assert counts[-1] == len(shapes) < n_items, (counts, len(shapes), n_items)
     # Over many random batches the shapes stay within what the buckets allow: each window of the grid (8 ... T)
@@ -199,7 +205,7 @@ def test_compiled_item_shapes_stay_few_across_batches():
         for seed in range(40):
             g = np.random.RandomState(seed)
             length = g.randint(3, 65, (1, 32)) * (g.rand(1, 32) < 0.7)
-            seen |= {(len(it.rows), it.kind) for it in layout.budget_items(
+            seen |= {(len(it.rows), it.shape) for it in layout.budget_items(
                 length, (length > 0).astype(np.float32), g.randint(0, 2, (1, 32)), budget=budget, T=64, W=16,
                 grid=grid)}
         bound = sum(len({min(layout.grid_size(n, grid), budget // w) for n in range(1, budget // w + 1)})
@@ -212,8 +218,6 @@ def test_compiled_item_shapes_stay_few_across_batches():
 def test_a_bad_budget_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be >= 0"):
         UpdateConfig(max_tokens_per_micro_batch=-1)
-    with pytest.raises(ValueError, match="max_tokens_per_micro_batch needs program='items'"):
-        UpdateConfig(max_tokens_per_micro_batch=1024, program="fused")
     from marl_jax.config import base_config, validate
 
     c = base_config("voting", ("generator", "aggregator"))

@@ -15,9 +15,10 @@ from marl_jax.rl import loss as L
 from marl_jax.rl import optim
 from marl_jax.rl.batch import make_batch, make_groups
 from marl_jax.models import decoder
-from marl_jax.rl.update import (UpdateConfig, init_state, item_positions, item_windows, length_ladder, make_train_step,
-                                pack_batch, pack_rows, pack_shapes, pack_units, scored_positions, share_units)
-from test_update import CFG, LR, FakeRow, _assert_tree_close, _ref_grad, _setup
+from marl_jax.rl.update import (Packed, UpdateConfig, init_state, item_positions, item_windows, length_ladder,
+                                make_train_step, pack_batch, pack_rows, pack_shapes, pack_units, scored_positions,
+                                share_units)
+from test_update import CFG, LR, FakeRow, _assert_tree_close, _ref_grad, _setup, _whole_batch_grads
 
 import optax
 
@@ -34,15 +35,15 @@ def _uneven_rows(rng, spec):
 
 
 def _run(rows, advs, roles, role_to_slot, copies, *, sort, buckets, micro_batch=4, head_chunk=0, dtype=jnp.float32,
-         metrics=True, seed=0, packing=False, share_prefix=0, program="auto", remat="full", unroll=False, grid=2):
+         metrics=True, seed=0, packing=False, share_prefix=0, remat="full", unroll=False, grid=2, budget=0):
     base, spec, tr = _setup(max(role_to_slot.values()) + 1, seed)
     groups = make_groups(roles, role_to_slot, copies)
     batch = make_batch(rows, np.asarray(advs, np.float32), role_to_slot=role_to_slot, num_slots=spec.num_slots,
                        groups=groups, micro_batch=micro_batch, sort_by_length=sort)
     tx = optim.per_slot(optax.sgd(LR))
     ucfg = UpdateConfig(micro_batch=micro_batch, length_buckets=buckets, head_chunk=head_chunk, dtype=dtype,
-                        metrics=metrics, packing=packing, share_prefix=share_prefix, program=program, remat=remat,
-                        unroll=unroll, length_grid=grid)
+                        metrics=metrics, packing=packing, share_prefix=share_prefix, remat=remat,
+                        unroll=unroll, length_grid=grid, max_tokens_per_micro_batch=budget)
     step = make_train_step(CFG, spec, ucfg, tx, num_groups=len(groups.names), group_slot=groups.slot,
                            group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                            role_slot=[role_to_slot[r] for r in roles])
@@ -139,14 +140,16 @@ def test_unrolled_layers_give_the_loops_step(remat):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_a_finer_window_grid_computes_fewer_positions_and_the_same_step(packing):
-    """grpo.length_grid=16 fits each micro-batch's window closer to its longest row: fewer positions, same step."""
+    """grpo.length_grid=16 fits each micro-batch's window closer to its longest row: fewer positions, same step.
+    Packed micro-batches fill sequences of the whole T, so their positions do not depend on the window grid."""
     rng = np.random.RandomState(6)
     rows = _uneven_rows(rng, [("gen", 8, 1), ("judge", 4, 1)])
     advs = list(rng.randn(len(rows)))
     roles, r2s = ["gen", "judge"], {"gen": 0, "judge": 0}
     coarse = _run(rows, advs, roles, r2s, None, sort=True, buckets=4, packing=packing)
     fine = _run(rows, advs, roles, r2s, None, sort=True, buckets=4, packing=packing, grid=16)
-    assert (item_positions(fine[2], 4, 4, packing, grid=16).sum() < item_positions(coarse[2], 4, 4, packing).sum())
+    fewer = item_positions(fine[2], 4, 4, packing, grid=16).sum() - item_positions(coarse[2], 4, 4, packing).sum()
+    assert fewer == 0 if packing else fewer < 0, fewer
     _assert_same_step(coarse, fine)
 
 
@@ -159,15 +162,17 @@ def test_pack_rows_first_fit_decreasing_and_pack_shapes():
     assert (seq[1], off[1]) == (0, 0)  # padding: nowhere
     with pytest.raises(ValueError, match="does not fit"):
         pack_rows([70], 64)
-    assert pack_shapes(128, 4, 2) == ((1, 64), (2, 64), (4, 64), (1, 96), (2, 96), (4, 96), (1, 128), (2, 128), (4, 128))
-    assert pack_shapes(64, 8, 1) == ((2, 64), (4, 64), (8, 64))
+    # Sequences of the whole T, as many as the rows need on the grid: one program per count, whatever the rows.
+    assert pack_shapes(128, 4) == ((1, 128), (2, 128), (3, 128), (4, 128))
+    assert pack_shapes(64, 8) == ((1, 64), (2, 64), (3, 64), (4, 64), (6, 64), (8, 64))
+    assert pack_shapes(64, 8, 1) == ((1, 64), (2, 64), (4, 64), (8, 64))
 
 
 def test_packed_rows_do_not_overlap_and_use_fewer_positions():
     _, b = _shared_batch(6, 11, 7)
     T = b.tokens.shape[-1]
-    pb = pack_batch(b, 4, 4)
-    shapes = pack_shapes(T, 4, 4)
+    pb = pack_batch(b, 4)
+    shapes = pack_shapes(T, 4)
     for m in range(b.length.shape[1] // 4):
         sl = slice(4 * m, 4 * m + 4)
         p, t = shapes[pb.pack_shape[0, sl][0]]
@@ -297,7 +302,7 @@ def test_shared_prefix_packing_gives_the_plain_layouts_step(r2s):
     roles, copies = ["gen", "judge"], {"gen": 3}
     plain = _run(rows, advs, roles, r2s, copies, sort=False, buckets=1)
     shared = _run(rows, advs, roles, r2s, copies, sort=True, buckets=3, packing=True, share_prefix=4)
-    b = pack_batch(shared[2], 4, 3, share_prefix=4)
+    b = pack_batch(shared[2], 4, share_prefix=4)
     assert (b.pack_share > 0).sum() >= 12, "most rows must read a shared prefix"
     assert item_positions(b, 4, 3, True, 4).sum() < item_positions(shared[2], 4, 3, True).sum()
     _assert_same_step(plain, shared)
@@ -313,15 +318,15 @@ def test_packed_micro_batches_give_the_plain_layouts_step(r2s):
     roles, copies = ["gen", "judge"], {"gen": 3}
     plain = _run(rows, advs, roles, r2s, copies, sort=False, buckets=1)
     packed = _run(rows, advs, roles, r2s, copies, sort=True, buckets=3, packing=True)
-    b = pack_batch(packed[2], 4, 3)
-    used = {pack_shapes(b.tokens.shape[-1], 4, 3)[k][0] for k in np.unique(b.pack_shape[b.length > 0])}
+    b = pack_batch(packed[2], 4)
+    used = {pack_shapes(b.tokens.shape[-1], 4)[k][0] for k in np.unique(b.pack_shape[b.length > 0])}
     assert min(used) < 4, "some micro-batch must be packed into fewer sequences than rows"
     # Packed items score only their completion tokens in the LM head (update.scored_positions), not every
     # row's window: some item here must take that path for the comparison to cover it.
     from marl_jax.rl.layout import plan_items
     W, mask = b.targets.shape[-1], np.asarray(b.loss_mask)
-    gathered = [scored_positions(mask[it.slot][it.rows][:, :min(W, it.kind[2])], it.kind[1] * it.kind[2])
-                for it in plan_items(b, micro_batch=4, length_buckets=3, packing=True) if it.kind[0] == "pack"]
+    gathered = [scored_positions(mask[it.slot][it.rows][:, :min(W, it.shape.t)], it.positions)
+                for it in plan_items(b, micro_batch=4, length_buckets=3, packing=True) if isinstance(it.shape, Packed)]
     assert any(g is not None for g in gathered)
     _assert_same_step(plain, packed)
 
@@ -451,20 +456,36 @@ def test_share_prefix_config_needs_packing():
         validate(c)
 
 
-@pytest.mark.parametrize("layout,r2s", [(dict(buckets=4), {"gen": 0, "judge": 0}),
-                                        (dict(buckets=3, packing=True, share_prefix=3), {"gen": 0, "judge": 1})])
-def test_item_programs_give_the_fused_programs_step(layout, r2s):
-    """One program per item (the default) against the whole step as one program (program="fused"): the same
-    loss, gradients, diagnostics and role stats. tests/test_sharding.py compares the two on a mesh."""
+@pytest.mark.parametrize("layout,r2s", [
+    (dict(buckets=4), {"gen": 0, "judge": 0}),
+    (dict(buckets=3, packing=True, share_prefix=3), {"gen": 0, "judge": 1}),
+    (dict(buckets=1, packing=True, share_prefix=3, budget=100), {"gen": 0, "judge": 0})],
+    ids=["windows", "packed-shared-isolated", "budget-packed-shared"])
+def test_the_item_by_item_step_is_the_gradient_of_the_whole_batch_loss(layout, r2s):
+    """Item by item (windows, packed rows over shared prefixes, token-budget items) against a plain jax.grad of
+    each slot's loss over all its rows at once, written in the test (test_update._whole_batch_grads): the same
+    slot gradients, loss, per-role gradient norms, and every row's tokens counted once in the role stats."""
     rng = np.random.RandomState(5)
     rows = _uneven_rows(rng, [("gen", 9, 3), ("judge", 6, 1)])
     for r in rows[1:4]:  # a task's episodes share their prompt
         r.prompt_tokens = list(rows[0].prompt_tokens)
     advs = list(rng.randn(len(rows)))
-    fused = _run(rows, advs, ["gen", "judge"], r2s, {"gen": 3}, sort=True, program="fused", **layout)
-    items = _run(rows, advs, ["gen", "judge"], r2s, {"gen": 3}, sort=True, program="items", **layout)
-    _assert_same_step(fused, items)
-    assert int(items[1]["misaligned_rows"]) == int(fused[1]["misaligned_rows"]) == 0
+    roles = ["gen", "judge"]
+    grads, m, _, _ = _run(rows, advs, roles, r2s, {"gen": 3}, sort=True, **layout)
+    base, spec, tr = _setup(max(r2s.values()) + 1, 0)
+    ref, per_role, logps = _whole_batch_grads(base, spec, tr, rows, advs, r2s, roles)
+    for slot, (loss, g) in ref.items():
+        _assert_tree_close(jax.tree_util.tree_map(lambda x: x[slot], grads), g)
+        np.testing.assert_allclose(float(m["loss_per_slot"][slot]), loss, rtol=1e-5, atol=1e-6)
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(t)])
+    for k, role in enumerate(roles):
+        np.testing.assert_allclose(float(m["role_grad_norm"][k]), np.linalg.norm(flat(per_role[role])), rtol=1e-4)
+        st = {key: float(v[k]) for key, v in m["role_stats"].items()}
+        mine = [r for r in rows if r.role == role]
+        assert st["rows"] == len(mine) and st["tokens"] == sum(len(r.completion_tokens) for r in mine)
+        gap = sum(np.abs(lp - np.asarray(r.logprobs)).sum() for lp, r in zip(logps[role], mine))
+        np.testing.assert_allclose(st["logp_gap_abs"], gap, rtol=1e-5)
+    assert int(m["misaligned_rows"]) == 0
 
 
 def test_item_programs_compile_once_per_item_shape_across_batches():
@@ -478,8 +499,8 @@ def test_item_programs_compile_once_per_item_shape_across_batches():
                            group_slot=groups.slot, group_role=[0, 1], num_roles=2, role_slot=[0, 0])
     state = init_state(jax.tree_util.tree_map(jnp.array, tr), tx)
     row = lambda role, p, c: FakeRow(list(range(1, p + 1)), list(range(1, c + 1)), [-1.0] * c, role, 0)
-    # 8 rows, every item over a window of 32 tokens, vs 12 rows with one item over 64: the fused program
-    # would compile twice over (other rows, other packed shapes); the 32-token item program is reused.
+    # 8 rows, every item over a window of 32 tokens, vs 12 rows with one item over 64: a program over the whole
+    # batch would compile twice over (other rows, other packed shapes); the 32-token item program is reused.
     a = [row("gen", 10, 8)] * 4 + [row("judge", 12, 6)] * 4
     b = [row("gen", 9, 7)] * 4 + [row("judge", 11, 9)] * 4 + [row("gen", 40, 10)] * 4
     seen = []

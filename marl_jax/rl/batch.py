@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from marl_jax.generate.sampler import length_bucket
+from marl_jax.generate.buckets import length_bucket
 
 
 class TrainBatch(NamedTuple):
@@ -125,7 +125,7 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
                groups: GroupInfo, micro_batch: int, pad_id: int = 0, max_len: int | None = None,
                kl_coef: dict[str, float] | None = None, agg: str = "seq-mean-token-mean",
                keep_zero_advantage: bool = False, align_groups: bool = True,
-               sort_by_length: bool = True, width: int | None = None) -> TrainBatch:
+               sort_by_length: bool = True, width: int | None = None, seq_len: int | None = None) -> TrainBatch:
     """Lay rows out by slot. Rows with `trained=False` count nowhere (no gradient, not in `den`).
 
     keep_zero_advantage: keep rows whose advantage is 0 (needed when a KL or entropy term is on).
@@ -136,6 +136,8 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
     width: the completion window W is at least this (the sampling limit), and T at least the longest prompt
     + W: every step then has the same W and T (within the prompts' bucket) and reuses the update's compiled
     programs, where a step whose completions all stop early would otherwise compile them again.
+    seq_len: T is this (the config's longest possible row, marl_jax.plan.update_lengths), unless a row is
+    longer: every step then has one T, and the update's programs come from one set (rl.layout.update_shapes).
     """
     if len(rows) != len(advantages):
         raise ValueError(f"{len(rows)} rows but {len(advantages)} advantages")
@@ -168,7 +170,9 @@ def make_batch(rows: Sequence, advantages: np.ndarray, *, role_to_slot: dict[str
     if max_len is not None and T > max_len:
         raise ValueError(f"a row has {max(lengths)} tokens but update.max_seq_len is {max_len}; "
                          "raise it or lower the sampling lengths")
-    if width and kept:  # as long as every row could be, unless that passes max_len
+    if seq_len and kept:  # the run's T; a longer row (a prompt past the config's) takes its own bucket
+        T = max(T, seq_len)
+    elif width and kept:  # as long as every row could be, unless that passes max_len
         stable = length_bucket(max(len(r.prompt_tokens) for r in kept) + W, minimum=64)
         if max_len is None or stable <= max_len:
             T = max(T, stable)

@@ -6,11 +6,16 @@ on the host and in NumPy, everything about those items that shapes their program
 
   - length windows: each item runs over a token window just long enough for its longest row, one of
     `length_ladder`'s sizes (few sizes, so few programs over a run);
-  - packing: an item's rows laid end to end in fewer sequences (`pack_shapes`, `pack_batch`), optionally
-    over one copy of a prefix they share (`share_units`, `pack_units`);
+  - packing: an item's rows laid end to end in fewer sequences of the batch's length T (`pack_shapes`,
+    `pack_batch`), optionally over one copy of a prefix they share (`share_units`, `pack_units`);
   - micro-batches: a fixed number of rows (UpdateConfig.micro_batch: the batch's own [S, R] layout cut
     into slices, `fixed_items`) or as many rows as a token budget holds (`budget_items`, verl's dynamic
-    batch size), with row counts and windows on the same grid so that programs stay few.
+    batch size), with row and sequence counts on the same grid so that programs stay few.
+
+Every shape comes from ladders of T (the batch's padded length), W (its scored window) and the config alone,
+never from a batch's rows: with T and W fixed for a run (the trainer pads every batch to the config's longest
+possible row, marl_jax.plan.update_lengths) `update_shapes` lists every item program a run can compile, and
+the update compiles them all before its first step (rl.update.make_train_step's warmup).
 
 Nothing here changes a value the update computes: every row's loss terms are the same over any window
 that holds it, packed or not (tests/test_update_layout.py, tests/test_token_budget.py).
@@ -65,13 +70,17 @@ def item_windows(length, micro_batch: int, T: int, n: int, grid: int = 2):
 
 # ---- packing ----
 
-def pack_shapes(T: int, micro_batch: int, n: int, share: bool = False,
-                grid: int = 2) -> tuple[tuple[int, int], ...]:
-    """The (packed sequences, token window) shapes a packed update compiles: windows from length_ladder,
-    sequences micro_batch, /2 and /4 (rounded up). When rows share prefixes also /8 and a window of 2T,
-    so that the rows of a unit (their prefix laid once) mostly fit one sequence."""
-    seqs = sorted({max(1, -(-micro_batch // d)) for d in ((1, 2, 4, 8) if share else (1, 2, 4))})
-    return tuple((p, t) for t in length_ladder(T, n, grid) + ((2 * T,) if share else ()) for p in seqs)
+def grid_sizes(cap: int, grid: int = 2) -> tuple[int, ...]:
+    """The counts an item pads its sequences (or rows) to: grid_size of each count up to cap, at most cap
+    (1, 2, 3, 4, 6, 8 for 8 at grid 2)."""
+    return tuple(sorted({min(grid_size(k, grid), cap) for k in range(1, max(cap, 1) + 1)}))
+
+
+def pack_shapes(T: int, micro_batch: int, grid: int = 2) -> tuple[tuple[int, int], ...]:
+    """The (packed sequences, token window) shapes a packed micro-batch compiles: sequences of the batch's whole
+    length T (rows laid end to end fill them, so shorter windows would save little: at most one partly filled
+    sequence per item is padding), as many as its rows need on the grid up to micro_batch."""
+    return tuple((p, T) for p in grid_sizes(micro_batch, grid))
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray, n: int) -> int:
@@ -79,9 +88,33 @@ def _common_prefix(a: np.ndarray, b: np.ndarray, n: int) -> int:
     return int(d[0]) if len(d) else n
 
 
-def share_units(tokens: np.ndarray, lengths, minimum: int) -> list[tuple[list[int], int]]:
-    """Host-side: rows grouped into units that share a prefix of >= `minimum` tokens, as (rows, shared
-    length); rows alone have shared length 0. The grouping saves the most tokens, sum of (members - 1) x
+class Unit(NamedTuple):
+    """Rows laid over one copy of the prefix they share: its first `shared` tokens (0: a row alone)."""
+
+    rows: list[int]
+    shared: int
+
+
+class Part(NamedTuple):
+    """Rows of a unit that fit one packed sequence, over their own copy of the prefix."""
+
+    rows: list[int]
+    shared: int
+    size: int  # tokens it takes: the prefix once, then each row's own
+
+
+class Place(NamedTuple):
+    """Where a row lies in the packed sequences: its token q >= shared at off + q, q < shared at pre + q."""
+
+    seq: int
+    pre: int  # where its unit's prefix copy starts
+    off: int
+    shared: int
+
+
+def share_units(tokens: np.ndarray, lengths, minimum: int) -> list[Unit]:
+    """Host-side: rows grouped into units that share a prefix of >= `minimum` tokens; rows alone have
+    shared length 0. The grouping saves the most tokens, sum of (members - 1) x
     shared length, over the rows' prefix tree: at each branch point either every row below shares the
     branch's prefix, or each subtree is grouped on its own (ties go to the subtrees: smaller units pack
     more freely). A greedy leader would not do: in a GRPO batch every prompt shares a short chat-template
@@ -98,13 +131,13 @@ def share_units(tokens: np.ndarray, lengths, minimum: int) -> list[tuple[list[in
     # Bottom-up over the tree of common-prefix intervals (a stack, no recursion: prefix chains can be deep).
     stack, node = [], None  # open intervals [shared length, first row, tokens saved, units]; node: [lo, saved, units]
     for k in range(len(order)):
-        node = [k, 0, [([order[k]], 0)]]
+        node = [k, 0, [Unit([order[k]], 0)]]
         h = lcp[k] if k < len(lcp) else -1
         while stack and stack[-1][0] > h:  # intervals that end at row k: close them
             c, lo, saved, units = stack.pop()
             saved, units = saved + node[1], units + node[2]
             whole = (k - lo) * c
-            node = [lo, whole, [(order[lo:k + 1], c)]] if c >= minimum and whole > saved else [lo, saved, units]
+            node = [lo, whole, [Unit(order[lo:k + 1], c)]] if c >= minimum and whole > saved else [lo, saved, units]
         if h < 0:
             break
         if stack and stack[-1][0] == h:
@@ -114,21 +147,22 @@ def share_units(tokens: np.ndarray, lengths, minimum: int) -> list[tuple[list[in
             stack.append([h, node[0], node[1], node[2]])
 
     longest = lambda rows: sorted(rows, key=lambda i: (-n_of(i), i))
-    units = [(longest(rows), c) for rows, c in node[2]]
-    return sorted(units, key=lambda u: (-n_of(u[0][0]), u[0][0]))
+    units = [Unit(longest(u.rows), u.shared) for u in node[2]]
+    return sorted(units, key=lambda u: (-n_of(u.rows[0]), u.rows[0]))
 
 
-def _unit_parts(rows, c: int, lengths, capacity: int) -> list[tuple[list[int], int, int]]:
+def _unit_parts(rows, c: int, lengths, capacity: int, max_rows: int = 0) -> list[Part]:
     """A shared-prefix unit cut, in its rows' order, into parts that each fit one sequence of `capacity`
-    tokens: (rows, shared length, tokens); every part has its own copy of the prefix, a row alone shares none."""
-    part = lambda rs: (rs, c, c + sum(int(lengths[i]) - c for i in rs)) if len(rs) > 1 else (
+    tokens (and hold at most max_rows rows, 0: any); every part has its own copy of the prefix, a row alone
+    shares none."""
+    part = lambda rs: Part(rs, c, c + sum(int(lengths[i]) - c for i in rs)) if len(rs) > 1 else Part(
         rs, 0, int(lengths[rs[0]]))
     parts, cur, size = [], [], c
     for i in rows:
         n = int(lengths[i]) - c
         if n + c > capacity:
             raise ValueError(f"a row of {n + c} tokens does not fit a packed sequence of {capacity}")
-        if cur and size + n > capacity:
+        if cur and (size + n > capacity or len(cur) == max_rows):
             parts.append(part(cur))
             cur, size = [], c
         cur.append(i)
@@ -137,28 +171,27 @@ def _unit_parts(rows, c: int, lengths, capacity: int) -> list[tuple[list[int], i
     return parts
 
 
-def _first_fit(part, lengths, capacity: int, fill: list[int], where: dict) -> None:
+def _first_fit(part: Part, lengths, capacity: int, fill: list[int], where: dict) -> None:
     """Lay one part in the first sequence with room for it (a new one if none has): fill (tokens used per
-    sequence) and where (row -> (sequence, prefix offset, offset, shared length)) are updated in place."""
+    sequence) and where (row -> Place) are updated in place."""
     rows, c, size = part
     j = next((j for j, f in enumerate(fill) if f + size <= capacity), len(fill))
     if j == len(fill):
         fill.append(0)
     at, start = fill[j] + c, fill[j]
     for i in rows:
-        where[i] = (j, start, at - c, c)
+        where[i] = Place(j, start, at - c, c)
         at += int(lengths[i]) - c
     fill[j] += size
 
 
-def pack_units(units, lengths, capacity: int) -> tuple[dict[int, tuple[int, int, int, int]], int]:
-    """First-fit decreasing of shared-prefix units into sequences of `capacity` tokens: each row's
-    (sequence, prefix offset, offset, shared length) with its token q >= shared length at offset + q and
-    q < shared length at prefix offset + q; and the number of sequences used. A unit too long for one
-    sequence is split, each part with its own copy of the prefix."""
+def pack_units(units, lengths, capacity: int) -> tuple[dict[int, Place], int]:
+    """First-fit decreasing of shared-prefix units into sequences of `capacity` tokens: each row's Place and
+    the number of sequences used. A unit too long for one sequence is split, each part with its own copy of
+    the prefix."""
     parts = [p for rows, c in units for p in _unit_parts(rows, c, lengths, capacity)]
     where, fill = {}, []
-    for part in sorted(parts, key=lambda u: -u[2]):
+    for part in sorted(parts, key=lambda u: -u.size):
         _first_fit(part, lengths, capacity, fill, where)
     return where, len(fill)
 
@@ -167,25 +200,24 @@ def pack_rows(lengths, capacity: int) -> tuple[list[int], list[int], int]:
     """First-fit decreasing: each row's (sequence, offset) in sequences of `capacity` tokens, and the
     number of sequences used. Rows of length 0 (padding) go nowhere (sequence 0, offset 0). pack_units
     with every row a unit of its own."""
-    where, used = pack_units([([i], 0) for i in range(len(lengths)) if lengths[i] > 0], lengths, capacity)
+    where, used = pack_units([Unit([i], 0) for i in range(len(lengths)) if lengths[i] > 0], lengths, capacity)
     seq, off = [0] * len(lengths), [0] * len(lengths)
-    for i, (j, _, o, _) in where.items():
-        seq[i], off[i] = j, o
+    for i, place in where.items():
+        seq[i], off[i] = place.seq, place.off
     return seq, off, used
 
 
-def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 0, grid: int = 2) -> TrainBatch:
-    """Host-side: the packing of every micro-batch (TrainBatch.pack_*). For each item the packed shape
-    with the fewest positions (sequences x window) that holds its rows; ties take the shorter window.
-    share_prefix > 0: rows sharing a prefix of at least that many tokens are laid over one copy of it
-    (share_units; TrainBatch.pack_pre / pack_share)."""
+def pack_batch(batch: TrainBatch, micro_batch: int, share_prefix: int = 0, grid: int = 2) -> TrainBatch:
+    """Host-side: the packing of every micro-batch (TrainBatch.pack_*): its rows first fit decreasing in
+    sequences of T tokens, the fewest of pack_shapes that hold them. share_prefix > 0: rows sharing a prefix
+    of at least that many tokens are laid over one copy of it (share_units; TrainBatch.pack_pre / pack_share)."""
     if batch.length is None:
         raise ValueError("packing needs the rows' lengths (TrainBatch.length)")
     length = np.asarray(batch.length)
     S, R = length.shape
     T = batch.tokens.shape[2]
     mb = min(micro_batch, R)
-    shapes = pack_shapes(T, mb, n, share=share_prefix > 0, grid=grid)
+    counts = [p for p, _ in pack_shapes(T, mb, grid)]
     tokens = np.asarray(batch.tokens) if share_prefix else None
     seq, off = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
     pre, shared = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
@@ -197,17 +229,11 @@ def pack_batch(batch: TrainBatch, micro_batch: int, n: int, share_prefix: int = 
             if not lens.any():
                 continue
             units = (share_units(tokens[s, rows], lens, share_prefix) if share_prefix
-                     else [([i], 0) for i in range(mb) if lens[i] > 0])
-            for k, (p, t) in sorted(enumerate(shapes), key=lambda kv: (kv[1][0] * kv[1][1], kv[1][1])):
-                if t < lens.max():
-                    continue
-                where, used = pack_units(units, lens, t)
-                if used <= p:
-                    break
-            # (mb, T) always holds the rows: one per sequence
-            for i, (j, pr, of, c) in where.items():
-                seq[s, m * mb + i], pre[s, m * mb + i], off[s, m * mb + i], shared[s, m * mb + i] = j, pr, of, c
-            shape[s, rows] = k
+                     else [Unit([i], 0) for i in range(mb) if lens[i] > 0])
+            where, used = pack_units(units, lens, T)  # every part holds a row: used <= mb
+            for i, at in where.items():
+                seq[s, m * mb + i], pre[s, m * mb + i], off[s, m * mb + i], shared[s, m * mb + i] = at
+            shape[s, rows] = counts.index(min(grid_size(used, grid), mb))
     return batch._replace(pack_seq=seq, pack_off=off, pack_shape=shape,
                           pack_pre=pre if share_prefix else None, pack_share=shared if share_prefix else None)
 
@@ -218,34 +244,60 @@ def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool, s
     mb = min(micro_batch, R)
     if not packing:
         return item_windows(batch.length, micro_batch, T, n, grid) * mb
-    b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, n, share_prefix, grid)
-    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, n, share=b.pack_share is not None, grid=grid)])
+    b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, share_prefix, grid)
+    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, grid)])
     live = np.asarray(b.length).reshape(S, R // mb, mb).max(-1) > 0
     return np.where(live, shapes[np.asarray(b.pack_shape)[:, ::mb]], 0)
 
 
 # ---- work items ----
 
+class Window(NamedTuple):
+    """An item's shape: its rows over their first t tokens, one row per sequence."""
+
+    t: int
+
+    def positions(self, rows: int) -> int:
+        return rows * self.t
+
+
+class Packed(NamedTuple):
+    """An item's shape: its rows laid end to end in p sequences of t tokens."""
+
+    p: int
+    t: int
+
+    def positions(self, rows: int) -> int:
+        return self.p * self.t
+
+
+class RowPacking(NamedTuple):
+    """Where a packed item's rows lie in its sequences ([n] int32 each, one entry per row of the item)."""
+
+    seq: np.ndarray  # the sequence a row is laid in
+    off: np.ndarray  # the offset its tokens start at there
+    pre: np.ndarray | None = None  # shared prefixes: where the row's prefix copy starts
+    share: np.ndarray | None = None  # how many of its first tokens are read from that copy (0: none)
+
+
 class Item(NamedTuple):
     """One work item: rows of one slot run as one program."""
 
     slot: int
     rows: np.ndarray  # [n] int: the item's rows within its slot; -1: a padding row (row counts are bucketed)
-    kind: tuple  # ("window", t): rows over their first t tokens; ("pack", p, t): laid in p sequences of t
-    # The rows' packing ([n] each: pack_seq, pack_off, and with shared prefixes pack_pre, pack_share) when
-    # the item was packed on its own (token budget); None: read from the batch (TrainBatch.pack_*)
-    pack: dict | None = None
+    shape: Window | Packed  # what its program runs over; its program is keyed by it
+    pack: RowPacking | None = None  # a Packed item's rows' places
 
     @property
     def positions(self) -> int:
         """Token positions the item's forward pass computes."""
-        return self.kind[1] * self.kind[2] if self.kind[0] == "pack" else len(self.rows) * self.kind[1]
+        return self.shape.positions(len(self.rows))
 
 
-def fixed_items(weight, windows, pack_shape, shapes, micro_batch: int) -> list[Item]:
+def fixed_items(weight, windows, micro_batch: int, packed: TrainBatch | None = None, shapes=()) -> list[Item]:
     """Items of micro_batch rows each, the batch's [S, R] layout cut in slices, slot-major; slices of
-    padding only (weight 0) are skipped. windows: item_windows' [S, M]; pack_shape: the batch's [S, R]
-    (TrainBatch.pack_shape) with shapes its pack_shapes, or None unpacked."""
+    padding only (weight 0) are skipped. windows: item_windows' [S, M]; packed: the batch with its packing
+    (pack_batch), whose pack_shape indexes `shapes` (its pack_shapes), or None unpacked."""
     S, R = weight.shape
     out = []
     for s in range(S):
@@ -253,9 +305,14 @@ def fixed_items(weight, windows, pack_shape, shapes, micro_batch: int) -> list[I
             sl = slice(m * micro_batch, (m + 1) * micro_batch)
             if not np.any(weight[s, sl] > 0):
                 continue
-            kind = (("pack",) + tuple(shapes[int(pack_shape[s, sl].max())]) if pack_shape is not None
-                    else ("window", int(windows[s, m])))
-            out.append(Item(s, np.arange(sl.start, sl.stop), kind))
+            rows = np.arange(sl.start, sl.stop)
+            if packed is None:
+                out.append(Item(s, rows, Window(int(windows[s, m]))))
+                continue
+            at = lambda x: None if x is None else np.asarray(x)[s, sl]
+            out.append(Item(s, rows, Packed(*shapes[int(np.asarray(packed.pack_shape)[s, sl].max())]),
+                            RowPacking(at(packed.pack_seq), at(packed.pack_off), at(packed.pack_pre),
+                                       at(packed.pack_share))))
     return out
 
 
@@ -280,58 +337,72 @@ def _budget_windows(lens, budget: int, ladder, grid: int) -> list[tuple[list[int
     return out
 
 
-def _budget_packs(units, lens, budget: int, ladder, W: int, grid: int, head_over_rows: bool = True):
-    """Units (sorted longest first) laid into micro-batches of packed sequences, at most `budget` positions
-    each: budget // window sequences of one window, units taken first fit in order (one that no longer fits
-    waits for the next micro-batch). The window holds the longest row left and, within the budget, the
-    largest unit left (its prefix laid once); a unit longer than the window is split first, each part with
-    its own copy of the prefix. With head_over_rows a micro-batch also stops at `budget` scored positions
-    (rows x min(W, window): the LM head runs on each row's completion window; without, the head runs on the
-    completion tokens alone, which its packed positions already bound). Each as (rows, where (row -> sequence, prefix offset,
-    offset, shared), sequences used, window); only a row whose window exceeds the budget makes a micro-batch
-    over it (alone, with what fits beside it in its sequence)."""
-    ladder = np.asarray(ladder)
-    win = lambda n: int(ladder[min(np.searchsorted(ladder, n), len(ladder) - 1)])
-    size = lambda u: u[1] + sum(int(lens[i]) - u[1] for i in u[0]) if len(u[0]) > 1 else int(lens[u[0][0]])
+# Packed items whose LM head runs on their scored positions alone hold up to budget // ROW_TOKENS rows: a row
+# then costs its [T] token and [W] target columns, not positions, and the count is fixed, so one program per
+# sequence count (rows shorter than this on average end an item before its sequences are full).
+ROW_TOKENS = 16
+
+
+def pack_window(T: int, budget: int, grid: int = 2) -> int:
+    """The sequence length packed budget items use: T, or the longest grid window within a budget below T
+    (a longer row then runs alone over its own window)."""
+    if budget >= T:
+        return T
+    ladder = length_ladder(T, T, grid)
+    return max([w for w in ladder if w <= budget] or [ladder[0]])
+
+
+def rows_cap(budget: int, t: int, W: int, head_over_rows: bool) -> int:
+    """The row count every packed budget item of t-token sequences compiles at: with the LM head over each
+    row's window (head_over_rows), the rows whose min(W, t) scored positions the budget holds; else
+    budget // ROW_TOKENS (see ROW_TOKENS)."""
+    return max(1, budget // (min(W, t) if head_over_rows else ROW_TOKENS))
+
+
+def _budget_packs(units, lens, t: int, seqs: int, max_rows: int):
+    """Units (sorted longest first) laid first fit into items of at most `seqs` sequences of t tokens and
+    max_rows rows, in order (a part that no longer fits waits for the next item); a unit longer than a sequence
+    (or than max_rows rows) is split first, each part with its own copy of the prefix. Each item as (rows,
+    where (row -> Place), sequences used)."""
     out, left = [], list(units)
     while left:
-        t, big = win(max(int(lens[i]) for u in left for i in u[0])), win(max(size(u) for u in left))
-        if big > t:  # a longer window lays more of a unit over one prefix copy, up to the budget
-            t = max([t] + [int(w) for w in ladder if w <= min(big, budget)])
-        cap = max(1, budget // t)
         fill, where, taken, rest = [], {}, [], []
-        for part in (p for u in left for p in _unit_parts(u[0], u[1], lens, t)):
-            rows, c, _ = part
+        for part in (p for u in left for p in _unit_parts(u.rows, u.shared, lens, t, max_rows)):
             f, wh = list(fill), {}
             _first_fit(part, lens, t, f, wh)
-            head_ok = not head_over_rows or grid_size(len(taken) + len(rows), grid) * min(W, t) <= budget
-            if not taken or (len(f) <= cap and head_ok):
-                fill, taken = f, taken + list(rows)
+            if not taken or (len(f) <= seqs and len(taken) + len(part.rows) <= max_rows):
+                fill, taken = f, taken + list(part.rows)
                 where.update(wh)
             else:
-                rest.append((rows, c))
-        out.append((taken, where, len(fill), t))
+                rest.append(Unit(part.rows, part.shared))
+        out.append((taken, where, len(fill)))
         left = rest
     return out
 
 
 def budget_items(length, weight, group, *, budget: int, T: int, W: int, grid: int = 2, by_group: bool = True,
-                 packing: bool = False, tokens=None, share_prefix: int = 0, head_over_rows: bool = True) -> list[Item]:
+                 packing: bool = False, tokens=None, share_prefix: int = 0, head_over_rows: bool = True,
+                 length_buckets: int = 4) -> list[Item]:
     """Items holding as many rows as a token budget allows (verl's use_dynamic_bsz): per slot, and with
     by_group per diagnostic group, its rows (weight > 0) longest first are cut into micro-batches of at most
-    `budget` computed positions: rows x window unpacked, sequences x window packed (see _budget_windows,
-    _budget_packs). Windows come from length_ladder's whole grid up to T (budget // window bounds each
-    window's row count, so the programs stay few; packed over shared prefixes also 2T, as pack_shapes), row
-    and sequence counts are padded to the same grid.
+    `budget` computed positions.
 
-    A row whose window is longer than the budget gets a micro-batch of its own, over that window: its
-    values are exact and the rollout already held it, so it is run rather than refused.
+    Unpacked: rows x window, windows from length_ladder's whole grid up to T (budget // window bounds each
+    window's row count), row counts on the grid (_budget_windows). Packed: sequences of pack_window(T, budget)
+    tokens, as many as the budget holds (their count padded to the grid), rows_cap rows each (padding rows
+    fill an item's row slots: one program per sequence count); rows laid over shared prefixes with share_prefix.
+
+    A row longer than the budget (or, packed, than the sequence length) gets a micro-batch of its own, over its
+    window (packed: from length_ladder(T, length_buckets)): its values are exact and the rollout already held
+    it, so it is run rather than refused.
     length: [S, R] tokens per row (prompt + completion); weight, group: [S, R]; tokens [S, R, T] (only with
-    share_prefix); W: the batch's completion window; head_over_rows: see _budget_packs."""
+    share_prefix); W: the batch's completion window; head_over_rows: the LM head runs over each row's window
+    (see rows_cap)."""
     length, weight, group = np.asarray(length), np.asarray(weight), np.asarray(group)
     tokens = np.asarray(tokens) if share_prefix else None
     ladder = length_ladder(T, T, grid)
-    pack_ladder = ladder + ((2 * T,) if share_prefix else ())  # as pack_shapes: a unit over its prefix may exceed T
+    t = pack_window(T, budget, grid)
+    seqs = max(1, budget // t)
     out = []
     for s in range(length.shape[0]):
         live = np.flatnonzero(weight[s] > 0)
@@ -342,22 +413,53 @@ def budget_items(length, weight, group, *, budget: int, T: int, W: int, grid: in
             lens = length[s, idx]
             if not packing:
                 for rows, n, w in _budget_windows(lens, budget, ladder, grid):
-                    out.append(Item(s, np.pad(idx[rows], (0, n - len(rows)), constant_values=-1), ("window", w)))
+                    out.append(Item(s, np.pad(idx[rows], (0, n - len(rows)), constant_values=-1), Window(w)))
                 continue
-            units = (share_units(tokens[s, idx], lens, share_prefix) if share_prefix
-                     else [([i], 0) for i in range(len(idx))])
-            for rows, where, used, t in _budget_packs(units, lens, budget, pack_ladder, W, grid, head_over_rows):
-                p = min(grid_size(used, grid), max(1, budget // t))  # used is 1 when a row's window is over budget
-                # rows cost little when the head skips their windows: powers of two, fewer programs
-                n = grid_size(len(rows), grid if head_over_rows else 1)
-                pack = {k: np.zeros(n, np.int32) for k in ("pack_seq", "pack_pre", "pack_off", "pack_share")}
-                for a, i in enumerate(rows):
-                    for k, v in zip(("pack_seq", "pack_pre", "pack_off", "pack_share"), where[i]):
-                        pack[k][a] = v
-                if not share_prefix:
-                    del pack["pack_pre"], pack["pack_share"]
-                out.append(Item(s, np.pad(idx[rows], (0, n - len(rows)), constant_values=-1), ("pack", p, t), pack))
+            long = int(np.sum(lens > t))  # rows sorted longest first: these run alone
+            for i in range(long):
+                w = next(x for x in length_ladder(T, length_buckets, grid) if x >= lens[i])
+                n = rows_cap(budget, w, W, head_over_rows)
+                pack = RowPacking(*[np.zeros(n, np.int32)] * (4 if share_prefix else 2))
+                out.append(Item(s, np.pad(idx[i:i + 1], (0, n - 1), constant_values=-1), Packed(1, w), pack))
+            units = (share_units(tokens[s, idx[long:]], lens[long:], share_prefix) if share_prefix
+                     else [Unit([i], 0) for i in range(len(idx) - long)])
+            n = rows_cap(budget, t, W, head_over_rows)
+            for rows, where, used in _budget_packs(units, lens[long:], t, seqs, n):
+                col = lambda f: np.asarray([getattr(where[i], f) for i in rows] + [0] * (n - len(rows)), np.int32)
+                pack = RowPacking(col("seq"), col("off"), *((col("pre"), col("shared")) if share_prefix else ()))
+                out.append(Item(s, np.pad(idx[long:][rows], (0, n - len(rows)), constant_values=-1),
+                                Packed(min(grid_size(used, grid), seqs), t), pack))
     return out
+
+
+class ItemShape(NamedTuple):
+    """What an item program is compiled for (with the batch's T and W): its shape and its row count."""
+
+    shape: Window | Packed
+    rows: int
+
+
+def update_shapes(T: int, W: int, *, micro_batch: int, length_buckets: int, grid: int = 2, packing: bool = False,
+                  max_tokens: int = 0, head_over_rows: bool = True) -> list[ItemShape]:
+    """Every item shape plan_items can give a batch padded to T with a scored window W: the set a run compiles
+    (rl.update's warmup compiles it before the first step; `python -m marl_jax.plan` lists it). Stated from the
+    same ladders plan_items uses; tests/test_compile_once.py checks that a run's items stay within it.
+    Fixed micro-batches assume the batch holds at least micro_batch rows per slot (rl.batch.rows_bucket)."""
+    out = []
+    if not max_tokens:
+        if packing:
+            return [ItemShape(Packed(p, t), micro_batch) for p, t in pack_shapes(T, micro_batch, grid)]
+        return [ItemShape(Window(t), micro_batch) for t in length_ladder(T, length_buckets, grid)]
+    if not packing:  # _budget_windows: row counts on the grid up to budget // window, for each window
+        for w in length_ladder(T, T, grid):
+            cap = max(1, max_tokens // w)
+            out += [ItemShape(Window(w), n) for n in sorted({min(grid_size(k, grid), cap) for k in range(1, cap + 1)})]
+        return out
+    t = pack_window(T, max_tokens, grid)
+    n = rows_cap(max_tokens, t, W, head_over_rows)
+    out = [ItemShape(Packed(p, t), n) for p in grid_sizes(max(1, max_tokens // t), grid)]
+    return out + [ItemShape(Packed(1, w), rows_cap(max_tokens, w, W, head_over_rows))
+                  for w in length_ladder(T, length_buckets, grid) if w > t]
 
 
 def plan_items(batch: TrainBatch, *, micro_batch: int, length_buckets: int, grid: int = 2, packing: bool = False,
@@ -378,12 +480,15 @@ def plan_items(batch: TrainBatch, *, micro_batch: int, length_buckets: int, grid
         return budget_items(np.where(weight > 0, T, 0) if length is None else length, weight, np.asarray(batch.group),
                             budget=max_tokens, T=T, W=batch.targets.shape[2], grid=grid, by_group=by_group,
                             packing=packing, tokens=batch.tokens if share_prefix else None,
-                            share_prefix=share_prefix, head_over_rows=head_over_rows)
+                            share_prefix=share_prefix, head_over_rows=head_over_rows, length_buckets=length_buckets)
     mb = min(micro_batch, R)
     windows = (item_windows(length, mb, T, length_buckets, grid) if length is not None
                else np.full((S, R // mb), T))
-    shapes = pack_shapes(T, mb, length_buckets, share=share_prefix > 0, grid=grid) if packing else ()
-    return fixed_items(weight, windows, np.asarray(batch.pack_shape) if packing else None, shapes, mb)
+    if not packing:
+        return fixed_items(weight, windows, mb)
+    if batch.pack_shape is None:
+        raise ValueError("packed fixed micro-batches need the batch's packing (rl.layout.pack_batch)")
+    return fixed_items(weight, windows, mb, batch, pack_shapes(T, mb, grid))
 
 
 def take_rows(x: np.ndarray, rows: np.ndarray, fill=0) -> np.ndarray:

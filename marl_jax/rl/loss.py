@@ -1,7 +1,7 @@
 """GRPO policy loss: PPO clipped surrogate with dual clip, optional KL anchor and entropy bonus.
 
 Everything is jit-friendly: options are static Python values, data never drives Python control flow.
-Shapes: logp, old_logp, ref_logp, entropy, mask are [N, T] (mask is 1 on completion tokens);
+Shapes: logp, old_logp, sampler_logp, ref_logp, entropy, mask are [N, T] (mask is 1 on completion tokens);
 advantages is [N] (broadcast over tokens) or [N, T]; row_weight is [N], nonzero for real rows and 0
 for padding rows that must not count anywhere.
 
@@ -85,8 +85,13 @@ def kl_penalty(logp: Array, ref_logp: Array, estimator: str = "k3") -> Array:
 
 
 def _check_options(
-    agg: str, dual_clip: float | None, clip_low: float, clip_high: float, kl_estimator: str
+    agg: str, dual_clip: float | None, clip_low: float, clip_high: float, kl_estimator: str,
+    tis_cap: float = 0.0, sampler_logp=None,
 ) -> None:
+    if not tis_cap >= 0:
+        raise ValueError(f"tis_cap must be >= 0 (0 = off), got {tis_cap}")
+    if tis_cap and sampler_logp is None:
+        raise ValueError("tis_cap weights tokens by the trainer-to-sampler ratio: pass sampler_logp")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if agg not in AGG_MODES:
@@ -146,7 +151,8 @@ def _agg_numerator(x: Array, m: Array, agg: str, max_len_norm: float | None) -> 
 
 
 def _token_terms(
-    logp, old_logp, advantages, m, *, clip_low, clip_high, dual_clip, ref_logp, kl_estimator, entropy
+    logp, old_logp, advantages, m, *, clip_low, clip_high, dual_clip, ref_logp, kl_estimator, entropy,
+    sampler_logp=None, tis_cap=0.0,
 ) -> dict[str, Array]:
     """Per-token quantities [N, T]; inputs at masked-out positions are replaced by safe values."""
     f32 = lambda a: a.astype(jnp.float32)
@@ -172,7 +178,6 @@ def _token_terms(
         pg = jnp.where(adv < 0, jnp.minimum(clipped, pg3), clipped)
         is_dual = (adv < 0) & (clipped > pg3)
     out = {
-        "pg": pg,
         "ratio": ratio,
         "approx_kl": old_logp - logp,  # k1 estimate of KL(old || new) on tokens sampled from old
         "clip": is_clip,
@@ -180,6 +185,18 @@ def _token_terms(
         "clip_low": is_clip & (ratio < 1.0 - clip_low),
         "dual_clip": is_dual,
     }
+    if sampler_logp is not None:
+        # The trainer's log-probs (these parameters, no gradient) against the sampler's for the same tokens:
+        # log r with r = p_trainer / p_sampler. k3 = r - 1 - log r estimates KL(sampler || trainer) without
+        # bias on tokens the sampler drew.
+        trainer, sampler = jax.lax.stop_gradient(logp), jnp.where(on, f32(sampler_logp), 0.0)
+        out["logp_gap_abs"] = jnp.abs(trainer - sampler)
+        out["logp_gap_k3"] = kl_penalty(sampler, trainer, "k3")
+        if tis_cap:  # truncated importance sampling: the pg term weighted by min(r, C), no gradient through it
+            r = jnp.exp(jnp.clip(trainer - sampler, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+            pg = pg * jnp.minimum(r, tis_cap)
+            out["tis_capped"] = r > tis_cap
+    out["pg"] = pg
     if ref_logp is not None:
         out["kl"] = kl_penalty(logp, jnp.where(on, f32(ref_logp), 0.0), kl_estimator)
     if entropy is not None:
@@ -192,8 +209,10 @@ def _is_zero(c) -> bool:
     return isinstance(c, (int, float)) and c == 0
 
 
-def _prepare(logp, old_logp, advantages, mask, row_weight, ref_logp, entropy, kl_coef, entropy_coef):
-    for name, a in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp), ("entropy", entropy)):
+def _prepare(logp, old_logp, advantages, mask, row_weight, ref_logp, entropy, kl_coef, entropy_coef,
+             sampler_logp=None):
+    for name, a in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp), ("entropy", entropy),
+                    ("sampler_logp", sampler_logp)):
         if a is not None and a.shape != mask.shape:
             raise ValueError(f"{name} must have the mask's shape {mask.shape}, got {a.shape}")
     if advantages.shape not in (mask.shape[:1], mask.shape):
@@ -222,22 +241,29 @@ def policy_loss_terms(
     entropy: Array | None = None,
     entropy_coef: float = 0.0,
     row_weight: Array | None = None,
+    sampler_logp: Array | None = None,
+    tis_cap: float = 0.0,
 ) -> tuple[Array, Array]:
     """(numerator, denominator) of the loss; loss = numerator / denominator.
 
     The numerator is a sum of per-row terms and the denominator a count of rows or tokens, so summing
     both over micro-batches of one batch gives exactly that batch's loss. The per-token loss is
-    pg + kl_coef * kl - entropy_coef * entropy, aggregated by agg. With seq-mean-token-sum-norm give
+    w * pg + kl_coef * kl - entropy_coef * entropy, aggregated by agg. With seq-mean-token-sum-norm give
     max_len_norm explicitly if micro-batches differ in T (the default is each call's T).
     kl_coef / entropy_coef may be Python floats (0 drops the term) or arrays (e.g. one per slot).
+    w = 1, or with tis_cap = C > 0 truncated importance sampling (verl's tis_imp_ratio_cap, TRL's
+    vllm_importance_sampling_cap): w = min(exp(logp - sampler_logp), C) with no gradient through it, logp
+    being the trainer's log-probs under the parameters that sampled (pair it with old_logp = logp, no
+    gradient: the ratio then corrects only what the sampler computed differently).
     """
-    _check_options(agg, dual_clip, clip_low, clip_high, kl_estimator)
-    m = _prepare(logp, old_logp, advantages, mask, row_weight, ref_logp, entropy, kl_coef, entropy_coef)
+    _check_options(agg, dual_clip, clip_low, clip_high, kl_estimator, tis_cap, sampler_logp)
+    m = _prepare(logp, old_logp, advantages, mask, row_weight, ref_logp, entropy, kl_coef, entropy_coef,
+                 sampler_logp)
     use_kl, use_ent = not _is_zero(kl_coef), not _is_zero(entropy_coef)
     t = _token_terms(
         logp, old_logp, advantages, m, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
         ref_logp=ref_logp if use_kl else None, kl_estimator=kl_estimator,
-        entropy=entropy if use_ent else None,
+        entropy=entropy if use_ent else None, sampler_logp=sampler_logp if tis_cap else None, tis_cap=tis_cap,
     )
     tok = t["pg"]
     if use_kl:
@@ -263,18 +289,22 @@ def policy_loss_stats(
     kl_estimator: str = "k3",
     entropy: Array | None = None,
     row_weight: Array | None = None,
+    sampler_logp: Array | None = None,
+    tis_cap: float = 0.0,
 ) -> dict[str, Array]:
     """Additive statistics behind the metrics, so micro-batches combine exactly (combine_stats).
 
     Keys: tokens (masked token count), loss_den and pg_num (agg numerator of the pg term), and masked
-    token sums clip, clip_low, clip_high, dual_clip, approx_kl, ratio (+ kl, entropy when given);
+    token sums clip, clip_low, clip_high, dual_clip, approx_kl, ratio (+ kl, entropy when given; with
+    sampler_logp logp_gap_abs, |logp - sampler_logp|, and logp_gap_k3, r - 1 - log r for
+    r = exp(logp - sampler_logp); with tis_cap also tis_capped, the tokens whose weight the cap cut);
     ratio_max is a max, not a sum.
     """
-    _check_options(agg, dual_clip, clip_low, clip_high, kl_estimator)
-    m = _prepare(logp, old_logp, advantages, mask, row_weight, ref_logp, entropy, 0.0, 0.0)
+    _check_options(agg, dual_clip, clip_low, clip_high, kl_estimator, tis_cap, sampler_logp)
+    m = _prepare(logp, old_logp, advantages, mask, row_weight, ref_logp, entropy, 0.0, 0.0, sampler_logp)
     t = _token_terms(
         logp, old_logp, advantages, m, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-        ref_logp=ref_logp, kl_estimator=kl_estimator, entropy=entropy,
+        ref_logp=ref_logp, kl_estimator=kl_estimator, entropy=entropy, sampler_logp=sampler_logp, tis_cap=tis_cap,
     )
     msum = lambda x: jnp.sum(jnp.where(m > 0, x.astype(jnp.float32), 0.0))
     stats = {
@@ -283,7 +313,8 @@ def policy_loss_stats(
         "pg_num": _agg_numerator(t["pg"], m, agg, max_len_norm),
         "ratio_max": jnp.max(jnp.where(m > 0, t["ratio"], -jnp.inf)),
     }
-    for k in ("clip", "clip_low", "clip_high", "dual_clip", "approx_kl", "ratio", "kl", "entropy"):
+    for k in ("clip", "clip_low", "clip_high", "dual_clip", "approx_kl", "ratio", "kl", "entropy", "logp_gap_abs",
+              "logp_gap_k3", "tis_capped"):
         if k in t:
             stats[k] = msum(t[k])
     return stats
@@ -300,7 +331,9 @@ def finalize_stats(stats: Mapping[str, Array]) -> dict[str, Array]:
     """Metrics from (combined) stats: pg_loss in the loss's aggregation, the rest masked token means.
 
     clip_frac counts tokens whose clipped branch is active (pg2 > pg1); clip_frac_high/low split it by
-    side; dual_clip_frac counts A < 0 tokens capped by the dual clip; approx_kl is mean(old - new).
+    side; dual_clip_frac counts A < 0 tokens capped by the dual clip; approx_kl is mean(old - new);
+    logp_gap_mean_abs and logp_gap_k3 the token means of the trainer-sampler gap; tis_capped_frac the tokens
+    whose importance weight the cap cut.
     """
     tokens = jnp.maximum(stats["tokens"], 1.0)
     out = {
@@ -315,9 +348,10 @@ def finalize_stats(stats: Mapping[str, Array]) -> dict[str, Array]:
         "ratio_max": jnp.where(stats["tokens"] > 0, stats["ratio_max"], 0.0),
         "num_tokens": stats["tokens"],
     }
-    for k in ("kl", "entropy"):
+    for k, name in (("kl", "kl"), ("entropy", "entropy"), ("logp_gap_abs", "logp_gap_mean_abs"),
+                    ("logp_gap_k3", "logp_gap_k3"), ("tis_capped", "tis_capped_frac")):
         if k in stats:
-            out[k] = stats[k] / tokens
+            out[name] = stats[k] / tokens
     return out
 
 
@@ -338,6 +372,8 @@ def policy_loss(
     entropy: Array | None = None,
     entropy_coef: float = 0.0,
     row_weight: Array | None = None,
+    sampler_logp: Array | None = None,
+    tis_cap: float = 0.0,
 ) -> tuple[Array, dict[str, Array]]:
     """GRPO loss (scalar) and metrics; see policy_loss_terms and finalize_stats.
 
@@ -347,6 +383,7 @@ def policy_loss(
         logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
         agg=agg, max_len_norm=max_len_norm, ref_logp=ref_logp, kl_coef=kl_coef,
         kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef, row_weight=row_weight,
+        sampler_logp=sampler_logp, tis_cap=tis_cap,
     )
     loss = num / jnp.maximum(den, 1.0)
     sg = jax.lax.stop_gradient
@@ -355,5 +392,6 @@ def policy_loss(
         dual_clip=dual_clip, agg=agg, max_len_norm=max_len_norm,
         ref_logp=None if ref_logp is None else sg(ref_logp), kl_estimator=kl_estimator,
         entropy=None if entropy is None else sg(entropy), row_weight=row_weight,
+        sampler_logp=None if sampler_logp is None else sg(sampler_logp), tis_cap=tis_cap,
     )
     return loss, finalize_stats(stats)

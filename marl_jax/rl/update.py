@@ -1,39 +1,34 @@
-"""The jitted GRPO update: per-slot losses, one (slot, micro-batch) item at a time, exact per-group gradients.
+"""The GRPO update: per-slot losses, one work item at a time, exact per-group gradients.
 
-One call of `train_step` takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
-  1. runs work items, one per (slot, micro-batch): micro_batch rows, or as many as a token budget holds
-     (max_tokens_per_micro_batch), laid out on the host by marl_jax.rl.layout. In each, a forward pass on
-     that slot's parameters gives every row's loss numerator and one VJP (cotangent = row weight / the slot's
-     denominator) its gradient. Items holding padding only are skipped, and each item runs over a
-     token window just long enough for its longest row (one of `length_ladder(T)`, chosen per item),
-     so short micro-batches do not pay for the batch's longest row. The loss is a sum of
-     per-row terms over a denominator fixed for the whole batch, so accumulating micro-batch
-     gradients is exact. With diagnostics on, the batch is group-aligned (every micro-batch
-     holds rows of one diagnostic group), so each micro-batch gradient is added to its group's
-     accumulator: exact per-group gradients for the price of one backward pass;
-  2. sums the group gradients per slot into the slot gradient (exactly the gradient of the slot's
-     loss, so under Shared-Policy the per-role gradients add up to the full gradient by
-     construction) and measures per-role norms, projection shares, cosines and copy alignment;
-  3. clips and applies AdamW per slot (optim.per_slot), unless the loss or any gradient is not
-     finite: then the update is skipped and counted, and parameters stay as they were.
+A step (the function make_train_step returns) takes a TrainBatch ([S, R, T], see marl_jax.rl.batch) and:
+  1. lays it out into work items on the host (marl_jax.rl.layout): rows of one slot (and, with diagnostics,
+     of one diagnostic group), micro_batch of them or as many as a token budget holds, each over a token
+     window just long enough for its longest row or packed end to end (layout.Window, layout.Packed);
+  2. runs `item_grad` on each item: a forward pass on the item's slot's parameters gives every row's loss
+     numerator, one VJP (cotangent = row weight / the slot's denominator) the slot's gradient from these rows;
+     the loss is a sum of per-row terms over a denominator fixed for the whole batch, so the items' gradients
+     add up exactly (`accumulate`), each into its group's accumulator: exact per-group gradients for the price
+     of one backward pass;
+  3. `finish`: sums the group gradients per slot into the slot gradient (exactly the gradient of the slot's
+     loss, so under Shared-Policy the per-role gradients add up to it by construction), measures per-role
+     norms, projection shares, cosines and copy alignment, applies the levers, and clips and applies AdamW
+     per slot (optim.per_slot), unless the loss or any gradient is not finite: then the update is skipped and
+     counted, and parameters stay as they were.
 
-Step 1 runs as one program per item shape (UpdateConfig.program="items", the default): an RL batch's
-rows, padded length and packed shapes change nearly every step, and a program over the whole batch
-compiled again each time (~11 s a step for the embedded default run, cold cache); an item's program
-depends only on its own window or packed shape, so a run stops compiling after its first steps. Under a
-mesh every item's rows are placed over the data axes and each program's outputs keep the shardings of
-what they stand for (a slot's gradient like its weights, accumulators like the fused program's, the new
-state like the old), so nothing is gathered; program="fused" runs the step as one program (a scan over
-the items) instead, with the same values.
+item_grad, accumulate and finish are pure functions of arrays; the step jits each and runs them from a short
+host loop. An RL batch's rows, padded length and packed shapes change nearly every step, so a program over the
+whole batch would compile again each time; an item's program depends only on its own shape (window or packed
+shape, rows, completion window), so a run stops compiling after its first steps. Under a mesh every item's rows
+are placed over the data axes and each program's outputs keep the shardings of what they stand for (a slot's
+gradient like its weights, the new state like the old), so nothing is gathered.
 
-Each slot's loss is normalised by its own rows, so an Isolated-Policy slot's step does not depend
-on how many rows other roles had: the reference's separate per-role updates.
+Each slot's loss is normalised by its own rows, so an Isolated-Policy slot's step does not depend on how many
+rows other roles had: the reference's separate per-role updates.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +41,12 @@ from marl_jax.policy.lora import PolicySpec, unstacked
 from marl_jax.rl import layout
 from marl_jax.rl import loss as L
 from marl_jax.rl.batch import TrainBatch
+from marl_jax.rl.optim import global_norm_per_slot
 # The memory model remat="auto" reads (marl_jax.rl.memory), importable from here as well.
 from marl_jax.rl.memory import remat_for  # noqa: F401
 # The host-side layout (marl_jax.rl.layout), importable from here as well.
-from marl_jax.rl.layout import (item_positions, item_windows, length_ladder, pack_batch, pack_rows,  # noqa: F401
-                                pack_shapes, pack_units, share_units)
+from marl_jax.rl.layout import (Packed, Window, item_positions, item_windows, length_ladder, pack_batch,  # noqa: F401
+                                pack_rows, pack_shapes, pack_units, share_units)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,24 +70,29 @@ class UpdateConfig:
     length_grid: int = 2  # window sizes per octave (length_ladder): finer, less padding, more item programs
     head_chunk: int = 0  # LM-head positions per chunk (0: chunk only when one item's logits exceed 256 MiB)
     unroll: bool = False  # the layers as straight-line code, not a loop (decoder.Decoder.unroll): 2x compile
-    # Sequence packing: the rows of a micro-batch are laid end to end in fewer sequences (segment ids,
-    # per-row positions, attention within a row only), each item over the packed shape (sequences x
-    # window, from pack_shapes) with the fewest positions. Values are unchanged (tests/test_update_layout.py).
+    # Sequence packing: the rows of a micro-batch are laid end to end in fewer sequences of the batch's length
+    # (segment ids, per-row positions, attention within a row only), as few as hold them (layout.pack_shapes).
+    # Values are unchanged (tests/test_update_layout.py).
     packing: bool = False
     # With packing: rows of a micro-batch whose tokens start with the same share_prefix or more tokens (a
     # task's episodes, a role's instructions) are laid over one copy of that prefix, computed once; their
     # gradients through it add up as they would over separate copies. 0: off.
     share_prefix: int = 0
-    # "items" (and "auto"): each (slot, micro-batch) item runs its own program, compiled once per item shape
-    # for the whole run, on one device or a mesh; "fused": the step is one program over the batch's shape
-    # (compiled again whenever the batch's rows, length or packed shapes change: nearly every RL step).
-    # Both compute the same values.
-    program: str = "auto"
     # Token-budget micro-batches (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu): each micro-batch holds
     # as many rows of one slot (and diagnostic group) as this many computed positions allow (rows x window,
     # or packed sequences x window), not micro_batch rows: one long row alone, many short rows together.
-    # Row counts and windows sit on the length grid (layout.budget_items). 0: off, micro_batch rows each.
+    # Row counts, sequence counts and windows sit on the length grid (layout.budget_items). 0: off, micro_batch
+    # rows each.
     max_tokens_per_micro_batch: int = 0
+    # Truncated importance sampling (verl's tis_imp_ratio_cap, TRL's vllm_importance_sampling_cap): each
+    # token's policy-gradient term is weighted by min(exp(trainer logp - sampler logp), tis_cap), the
+    # trainer's log-prob under the parameters that sampled (no gradient). 0: off. Needs old_logp="recompute".
+    tis_cap: float = 0.0
+    # The sampling temperature: log-probs (and entropies, and the reference's) under softmax(logits /
+    # temperature), the distribution the rollouts were drawn from and the sampler's log-probs are under, as
+    # verl's actor and TRL's GRPOTrainer score them. At 1.0 they would differ from the sampler's by the
+    # temperature alone (docs/levers.md#sampler-and-trainer-log-probs).
+    temperature: float = 1.0
 
     def __post_init__(self):
         if self.old_logp not in ("sampler", "recompute"):
@@ -100,6 +101,9 @@ class UpdateConfig:
             raise ValueError(f"agg must be one of {L.AGG_MODES}, got {self.agg!r}")
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (the sampling temperature; 1.0 for greedy rollouts), "
+                             f"got {self.temperature}")
         if self.remat not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
         if self.remat == "auto" and not self.remat_budget_gb > 0:
@@ -112,16 +116,17 @@ class UpdateConfig:
             raise ValueError(f"share_prefix must be >= 0 (0 = off), got {self.share_prefix}")
         if self.share_prefix and not self.packing:
             raise ValueError("share_prefix lays rows over a shared prefix in packed sequences: it needs packing=True")
-        if self.program not in ("auto", "items", "fused"):
-            raise ValueError(f"program must be 'auto', 'items' or 'fused', got {self.program!r}")
         if self.head_chunk < 0:
             raise ValueError(f"head_chunk must be >= 0 (0 = automatic), got {self.head_chunk}")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError("max_tokens_per_micro_batch must be >= 0 (0 = off: micro_batch rows per "
                              f"micro-batch), got {self.max_tokens_per_micro_batch}")
-        if self.max_tokens_per_micro_batch and self.program == "fused":
-            raise ValueError("max_tokens_per_micro_batch needs program='items' or 'auto': the fused program scans "
-                             "micro-batches of one row count")
+        if self.tis_cap < 0:
+            raise ValueError(f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
+        if self.tis_cap and self.old_logp != "recompute":
+            raise ValueError("tis_cap weights the PPO ratio against the trainer's own old log-probs by the "
+                             "trainer-to-sampler ratio: it needs old_logp='recompute' (with 'sampler' the ratio "
+                             "already divides by the sampler's log-probs)")
 
 
 REMAT_MODES = ("none", "dots", "full", "auto")
@@ -167,109 +172,267 @@ class TrainState(NamedTuple):
     grad_ema: Any = None  # [K, ...] EMA of each role's past gradient (levers.damping; None when off)
 
 
-def pack_item(r, p: int, t: int, T: int):
-    """An item's rows laid into p packed sequences of t tokens: (put, segments), put(x) scatters a [rows, <=T]
+class Tables(NamedTuple):
+    """The workflow's static tables (host tuples): each diagnostic group's slot and role, each role's slot."""
+
+    group_slot: tuple[int, ...]
+    group_role: tuple[int, ...]
+    role_slot: tuple[int, ...]
+
+
+class ItemRows(NamedTuple):
+    """The rows of one work item, all of one slot ([n, ...] each): what item_grad reads. Padding rows have
+    weight 0 and group -1. Tokens are cut to the item's window; targets and masks span the batch's W."""
+
+    tokens: Any  # [n, t] int32: prompt + completion, right-padded
+    valid: Any  # [n, t] bool: real tokens
+    win_start: Any  # [n] int32: the position predicting the first completion token
+    targets: Any  # [n, W] int32: completion tokens
+    loss_mask: Any  # [n, W] float32: 1 on real completion tokens
+    old_logp: Any  # [n, W] float32: their log-probs under the sampler
+    advantages: Any  # [n] float32
+    kl_coef: Any  # [n] float32: the row's role's KL coefficient
+    weight: Any = None  # [n] float32: 1 real row, 0 padding
+    group: Any = None  # [n] int32: diagnostic group, -1 padding
+    length: Any = None  # [n] int32: tokens per row (packed items read it)
+    pack_seq: Any = None  # [n] packed items: the sequence a row is laid in (layout.RowPacking)
+    pack_off: Any = None  # [n] its offset there
+    pack_pre: Any = None  # [n] shared prefixes: where the row's prefix copy starts
+    pack_share: Any = None  # [n] how many of its first tokens are read from that copy
+    head_idx: Any = None  # [c] the flat scored positions the LM head runs over (scored_positions), or None
+
+
+class RowAux(NamedTuple):
+    """Token values of an item's rows ([n, W], no gradient): what the loss statistics read."""
+
+    logp: Any  # the trainer's log-probs under the current parameters
+    old: Any  # the PPO ratio's old log-probs: the sampler's, or logp itself (old_logp="recompute")
+    entropy: Any = None
+    ref: Any = None  # the reference model's log-probs (KL anchor)
+
+
+class ItemGrad(NamedTuple):
+    """What one item gives: its loss numerator (weighted, not yet over the slot's denominator), its slot's
+    gradient from its rows, and its rows' additive loss statistics per role ({name: [K]}, or None)."""
+
+    num: jax.Array
+    grad: Any
+    stats: Any
+
+
+class Accum(NamedTuple):
+    """What a step's items add up to."""
+
+    grads: Any  # [G, ...] one gradient per diagnostic group (diagnostics), else [S, ...] one per slot
+    num: jax.Array  # [S] loss numerators
+    misaligned: jax.Array  # rows in an item of another group's rows (diagnostics need 0)
+    stats: Any  # {name: [K]}: sums over items, maxima for *_max; None without metrics
+
+
+def pack_item(rows: ItemRows, p: int, t: int):
+    """An item's rows laid into p packed sequences of t tokens: (put, segments), put(x) scatters an [n, <=t]
     array of the rows into [p, t]; segments is what decoder.forward takes (ids, or (ids, parents, positions)
-    over shared prefixes). r: the item's rows (tokens, length, pack_seq, pack_off, and pack_pre / pack_share)."""
-    n, tw = r["tokens"].shape[0], min(t, T)  # a row is at most T long; a packed sequence may be longer
+    over shared prefixes)."""
+    n, tw = rows.tokens.shape  # a row is at most T long; a packed sequence may be longer
     q = jnp.arange(tw)[None]
-    live = q < r["length"][:, None]  # [mb, tw]
-    dst_seq = jnp.where(live, r["pack_seq"][:, None], p)  # padding goes out of bounds: dropped
-    dst_pos = r["pack_off"][:, None] + q
+    live = q < rows.length[:, None]  # [n, tw]
+    dst_seq = jnp.where(live, rows.pack_seq[:, None], p)  # padding goes out of bounds: dropped
+    dst_pos = rows.pack_off[:, None] + q
     seg = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[:, None], (n, tw))
-    segments = None
-    if "pack_share" in r:
-        # A row's first c tokens go to its unit's one prefix copy (every member writes the same
-        # values there), segment id n + 1 + its offset; the rest attend to it as their parent.
-        c, pre = r["pack_share"][:, None], r["pack_pre"][:, None]
+    shared = rows.pack_share is not None
+    if shared:
+        # A row's first c tokens go to its unit's one prefix copy (every member writes the same values
+        # there), segment id n + 1 + its offset; the rest attend to it as their parent.
+        c, pre = rows.pack_share[:, None], rows.pack_pre[:, None]
         in_pre = q < c
         dst_pos = jnp.where(in_pre, pre + q, dst_pos)
         prefix_id = jnp.broadcast_to(n + 1 + pre, (n, tw))
     put = lambda x: jnp.zeros((p, t), jnp.int32).at[dst_seq, dst_pos].set(x, mode="drop")
-    if "pack_share" in r:
-        segments = (put(jnp.where(in_pre, prefix_id, seg)),
-                    put(jnp.where(in_pre | (c == 0), 0, prefix_id)),
-                    put(jnp.broadcast_to(q, (n, tw))))
-    return put, segments or put(seg)
+    if not shared:
+        return put, put(seg)
+    return put, (put(jnp.where(in_pre, prefix_id, seg)), put(jnp.where(in_pre | (c == 0), 0, prefix_id)),
+                 put(jnp.broadcast_to(q, (n, tw))))
 
 
-def _tree_dot(a, b):
-    return sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32)).real
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
-
-
-def _row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows, mesh=None, rules=None,
-               *, norm_len: int | None = None, remat: str | None = None):
-    """Per-row loss numerators for one slot's micro-batch; aux = token log-probs (+ ref, entropy).
-
-    norm_len: the sequence-sum normaliser when ucfg.max_len_norm is unset (the whole batch's W, also
-    when this item runs over a shorter window). remat: this item's mode (default ucfg.remat)."""
-    params, lora = unstacked(spec, base, one_slot)
-    N, W = rows["targets"].shape
-    idx = jnp.minimum(rows["win_start"][:, None] + jnp.arange(W), rows["tokens"].shape[1] - 1)
-    want_entropy = ucfg.entropy_coef != 0.0 or ucfg.metrics
+def completion_logprobs(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, params, lora, rows: ItemRows,
+                        shape, *, entropy: bool, remat: str, mesh=None, rules=None):
+    """The teacher-forced log-probs [n, W] of the rows' completion tokens under params (+ lora), and their
+    entropies (or None). shape: the item's layout.Window (rows as they are) or layout.Packed (laid end to end);
+    only the scored positions' hidden states reach the LM head."""
+    N, W = rows.targets.shape
+    idx = jnp.minimum(rows.win_start[:, None] + jnp.arange(W), rows.tokens.shape[1] - 1)
     chunk, flat = head_chunk(N, W, cfg.vocab_size, ucfg.head_chunk, sharded=mesh is not None)
-
-    def window_logprobs(p, lo, entropy: bool):
-        packed = "pack_tokens" in rows
-        h = decoder.forward(p, cfg, rows["pack_tokens"] if packed else rows["tokens"], None if packed else rows["valid"],
-                            lora=lo, lora_scale=spec.scale, dtype=ucfg.dtype, return_hidden=True,
-                            remat=remat or ucfg.remat, mesh=mesh, rules=rules,
-                            segments=rows["pack_segments"] if packed else None, unroll=ucfg.unroll,
-                            right_padded=not packed)  # batch rows: prompt + completion, then padding
-        if packed:  # each row's scored positions, read back from where its row was laid in the packed sequences
-            pos = rows["pack_off"][:, None] + idx
-            if "pack_share" in rows:  # positions inside a shared prefix are read from its one copy
-                pos = jnp.where(idx < rows["pack_share"][:, None], rows["pack_pre"][:, None] + idx, pos)
-            pos = jnp.minimum(pos, h.shape[1] - 1)
-            seq = jnp.broadcast_to(rows["pack_seq"][:, None], pos.shape)
-            if "head_idx" in rows:  # only the scored positions' hidden states, not every row's window
-                at = jnp.minimum(rows["head_idx"], N * W - 1)
-                h = h[seq.reshape(-1)[at], pos.reshape(-1)[at]][None]
-            else:
-                h = h[seq, pos]
+    run = lambda tokens, valid, segments: decoder.forward(
+        params, cfg, tokens, valid, lora=lora, lora_scale=spec.scale, dtype=ucfg.dtype, return_hidden=True,
+        remat=remat, mesh=mesh, rules=rules, segments=segments, unroll=ucfg.unroll, right_padded=segments is None)
+    if isinstance(shape, Packed):
+        put, segments = pack_item(rows, shape.p, shape.t)
+        h = run(put(rows.tokens), None, segments)
+        # each row's scored positions, read back from where its row was laid in the packed sequences
+        pos = rows.pack_off[:, None] + idx
+        if rows.pack_share is not None:  # positions inside a shared prefix are read from its one copy
+            pos = jnp.where(idx < rows.pack_share[:, None], rows.pack_pre[:, None] + idx, pos)
+        pos = jnp.minimum(pos, h.shape[1] - 1)
+        seq = jnp.broadcast_to(rows.pack_seq[:, None], pos.shape)
+        if rows.head_idx is not None:  # only the scored positions' hidden states, not every row's window
+            at = jnp.minimum(rows.head_idx, N * W - 1)
+            h = h[seq.reshape(-1)[at], pos.reshape(-1)[at]][None]
         else:
-            h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [mb, W, D]: only positions that are scored
-        head = lambda x: decoder.unembed(p, cfg, x, mesh=mesh, rules=rules)
-        if "head_idx" in rows:  # the item's scored positions only, laid as one row (scored_positions)
-            hi = rows["head_idx"]
-            at = jnp.minimum(hi, N * W - 1)
-            c, _ = head_chunk(1, hi.shape[0], cfg.vocab_size)
-            lp, ent = L.head_logprobs(head, h, rows["targets"].reshape(N * W)[at][None],
-                                      entropy=entropy, chunk=c)
-            back = lambda x: jnp.zeros((N * W,), x.dtype).at[hi].set(x[0], mode="drop").reshape(N, W)
-            return back(lp), (None if ent is None else back(ent))
-        if flat:  # the item's scored positions as one row: a chunk's logits do not grow with its rows
-            lp, ent = L.head_logprobs(head, h.reshape(1, N * W, -1), rows["targets"].reshape(1, N * W),
-                                      entropy=entropy, chunk=chunk)
-            return lp.reshape(N, W), (None if ent is None else ent.reshape(N, W))
-        return L.head_logprobs(head, h, rows["targets"], entropy=entropy, chunk=chunk)
+            h = h[seq, pos]
+    else:  # batch rows: prompt + completion, then padding
+        h = jnp.take_along_axis(run(rows.tokens, rows.valid, None), idx[..., None], axis=1)  # [n, W, D]
+    head = lambda x: decoder.unembed(params, cfg, x, mesh=mesh, rules=rules)
+    if ucfg.temperature != 1.0:  # the distribution the sampler drew from (and scored its log-probs under)
+        head = lambda x, plain=head: plain(x).astype(jnp.float32) / ucfg.temperature
+    if rows.head_idx is not None:  # the item's scored positions only, laid as one row (scored_positions)
+        hi = rows.head_idx
+        at = jnp.minimum(hi, N * W - 1)
+        c, _ = head_chunk(1, hi.shape[0], cfg.vocab_size)
+        lp, ent = L.head_logprobs(head, h, rows.targets.reshape(N * W)[at][None], entropy=entropy, chunk=c)
+        back = lambda x: jnp.zeros((N * W,), x.dtype).at[hi].set(x[0], mode="drop").reshape(N, W)
+        return back(lp), (None if ent is None else back(ent))
+    if flat:  # the item's scored positions as one row: a chunk's logits do not grow with its rows
+        lp, ent = L.head_logprobs(head, h.reshape(1, N * W, -1), rows.targets.reshape(1, N * W), entropy=entropy,
+                                  chunk=chunk)
+        return lp.reshape(N, W), (None if ent is None else ent.reshape(N, W))
+    return L.head_logprobs(head, h, rows.targets, entropy=entropy, chunk=chunk)
 
-    logp, entropy = window_logprobs(params, lora, want_entropy)
+
+def row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_slot, rows: ItemRows, mesh=None,
+              rules=None, *, shape=None, norm_len: int | None = None, remat: str | None = None):
+    """Per-row loss numerators [n] of one slot's rows, and their RowAux.
+
+    shape: the item's Window or Packed (default: the rows over all their tokens). norm_len: the sequence-sum
+    normaliser when ucfg.max_len_norm is unset (the whole batch's W, also when this item scores a shorter
+    window). remat: this item's mode (default ucfg.remat). rows may be a mapping of ItemRows' fields."""
+    if isinstance(rows, Mapping):
+        rows = ItemRows(**rows)
+    params, lora = unstacked(spec, base, one_slot)
+    shape = shape or Window(rows.tokens.shape[1])
+    want_entropy = ucfg.entropy_coef != 0.0 or ucfg.metrics
+    score = lambda p, lo, entropy: completion_logprobs(cfg, spec, ucfg, p, lo, rows, shape, entropy=entropy,
+                                                       remat=remat or ucfg.remat, mesh=mesh, rules=rules)
+    logp, entropy = score(params, lora, want_entropy)
     if entropy is not None and ucfg.entropy_coef == 0.0:
         entropy = jax.lax.stop_gradient(entropy)
     ref = None
     if ucfg.kl:  # the frozen base model is the reference (LoRA off / the initial full weights)
-        ref = jax.lax.stop_gradient(window_logprobs(base, None, False)[0])
-    old = jax.lax.stop_gradient(logp) if ucfg.old_logp == "recompute" else rows["old_logp"]
+        ref = jax.lax.stop_gradient(score(base, None, False)[0])
+    old = jax.lax.stop_gradient(logp) if ucfg.old_logp == "recompute" else rows.old_logp
 
-    def one_row(lp, ol, adv, m, ent, rf, kc):
+    def one_row(lp, ol, sl, adv, m, ent, rf, kc):
         num, _ = L.policy_loss_terms(
             lp[None], ol[None], adv[None], m[None], clip_low=ucfg.clip_low, clip_high=ucfg.clip_high,
             dual_clip=ucfg.dual_clip, agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or norm_len or lp.shape[-1],
             ref_logp=None if rf is None else rf[None], kl_coef=kc if ucfg.kl else 0.0,
             kl_estimator=ucfg.kl_estimator, entropy=None if ent is None else ent[None],
-            entropy_coef=ucfg.entropy_coef)
+            entropy_coef=ucfg.entropy_coef, sampler_logp=sl[None] if ucfg.tis_cap else None, tis_cap=ucfg.tis_cap)
         return num
 
-    nums = jax.vmap(one_row, in_axes=(0, 0, 0, 0, None if entropy is None else 0, None if ref is None else 0, 0))(
-        logp, old, rows["advantages"], rows["loss_mask"], entropy, ref, rows["kl_coef"])
-    aux = {"logp": jax.lax.stop_gradient(logp), "old": old}
-    if entropy is not None:
-        aux["entropy"] = jax.lax.stop_gradient(entropy)
-    if ref is not None:
-        aux["ref"] = ref
-    return nums, aux
+    opt = lambda x: None if x is None else 0
+    nums = jax.vmap(one_row, in_axes=(0, 0, 0, 0, 0, opt(entropy), opt(ref), 0))(
+        logp, old, rows.old_logp, rows.advantages, rows.loss_mask, entropy, ref, rows.kl_coef)
+    return nums, RowAux(jax.lax.stop_gradient(logp), old,
+                        None if entropy is None else jax.lax.stop_gradient(entropy), ref)
+
+
+_row_terms = row_terms  # the name marl_jax.plan_aot imports
+
+
+def role_stats(ucfg: UpdateConfig, aux: RowAux, rows: ItemRows, group_role, num_roles: int):
+    """Additive loss statistics of an item's rows per role ({name: [K]}), the sampler's log-probs against
+    the trainer's among them (logp_gap_*)."""
+    g_role = jnp.asarray(group_role, jnp.int32)
+
+    def for_role(k):
+        in_role = (jnp.take(g_role, jnp.maximum(rows.group, 0)) == k) & (rows.group >= 0)
+        rw = rows.weight * in_role
+        st = L.policy_loss_stats(
+            aux.logp, aux.old, rows.advantages, rows.loss_mask, clip_low=ucfg.clip_low, clip_high=ucfg.clip_high,
+            dual_clip=ucfg.dual_clip, agg=ucfg.agg, max_len_norm=ucfg.max_len_norm or rows.targets.shape[1],
+            ref_logp=aux.ref, kl_estimator=ucfg.kl_estimator, entropy=aux.entropy, row_weight=rw,
+            sampler_logp=rows.old_logp, tis_cap=ucfg.tis_cap)
+        st["rows"] = jnp.sum(rw)
+        st["resp_tokens"] = jnp.sum(rows.loss_mask * rw[..., None])
+        return st
+    return jax.vmap(for_role)(jnp.arange(num_roles))
+
+
+def item_grad(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, shape, one_slot, base, rows: ItemRows,
+              den, *, group_role, num_roles: int, mesh=None, rules=None) -> ItemGrad:
+    """One work item: the rows of one item of one slot in; their loss numerator, that slot's gradient from
+    them and their per-role statistics out. den: the slot's loss denominator (over all its rows in the batch),
+    so the items' gradients add up to the gradient of the slot's loss. shape: layout.Window or layout.Packed."""
+    N, W = rows.targets.shape
+    Wt = min(W, shape.t)  # a completion is shorter than its row: later positions are all masked
+    scored = rows._replace(targets=rows.targets[:, :Wt], loss_mask=rows.loss_mask[:, :Wt],
+                           old_logp=rows.old_logp[:, :Wt])
+    remat = ucfg.remat
+    if remat == "auto":  # per window: short items keep their activations, long ones recompute
+        remat = remat_for(cfg, N, shape.t, Wt, ucfg.remat_budget_gb * 2 ** 30,
+                          dtype="bfloat16" if jnp.dtype(ucfg.dtype) == jnp.bfloat16 else "float32",
+                          rank=spec.rank if spec.mode == "lora" else 0)
+    terms = lambda tr: row_terms(cfg, spec, ucfg, base, tr, scored, mesh, rules, shape=shape, norm_len=W,
+                                 remat=remat)
+    nums, vjp, aux = jax.vjp(terms, one_slot, has_aux=True)
+    (grad,) = vjp((rows.weight / den).astype(nums.dtype))
+    stats = None
+    if ucfg.metrics:
+        aux = jax.tree_util.tree_map(lambda a: jnp.pad(a, ((0, 0), (0, W - Wt))), aux)
+        stats = role_stats(ucfg, aux, rows, group_role, num_roles)
+    return ItemGrad(jnp.sum(nums * rows.weight), grad, stats)
+
+
+# ---- adding items up, and the step's end ----
+
+def zero_accum(trainable, stats_like, *, num_groups: int, diagnostics: bool) -> Accum:
+    """The accumulators before the first item: zero gradients (one per group with diagnostics, else per slot)
+    and sums, maxima below any value; stats_like: an item's stats (or None)."""
+    S = jax.tree_util.tree_leaves(trainable)[0].shape[0]
+    zeros = lambda lead: jax.tree_util.tree_map(lambda x: jnp.zeros((lead,) + x.shape[1:], x.dtype), trainable)
+    stats = None if stats_like is None else {
+        k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0, v.dtype) for k, v in stats_like.items()}
+    return Accum(zeros(num_groups if diagnostics else S), jnp.zeros((S,), jnp.float32), jnp.int32(0), stats)
+
+
+def accumulate(acc: Accum, out: ItemGrad, slot, group, misaligned, *, diagnostics: bool) -> Accum:
+    """Fold one item into the accumulators: its gradient into its group's (diagnostics; group -1: dropped) or
+    its slot's, its numerator into its slot's, its rows of another group, its stats."""
+    at = jnp.where(group >= 0, group, jnp.iinfo(jnp.int32).max) if diagnostics else slot
+    grads = jax.tree_util.tree_map(lambda a, g: a.at[at].add(g, mode="drop"), acc.grads, out.grad)
+    stats = None if out.stats is None else {
+        k: jnp.maximum(acc.stats[k], v) if k.endswith("_max") else acc.stats[k] + v for k, v in out.stats.items()}
+    return Accum(grads, acc.num.at[slot].add(out.num), acc.misaligned + (misaligned if diagnostics else 0), stats)
+
+
+def finish(state: TrainState, acc: Accum, den, *, tx, tables: Tables, diagnostics: bool, levers=None):
+    """From the accumulated item gradients: per-role diagnostics, levers, clipping and the optimizer. den: [S]
+    the slots' loss denominators. Returns (new state, metrics)."""
+    S, K = den.shape[0], len(tables.role_slot)
+    k_slot = jnp.asarray(tables.role_slot, jnp.int32)
+    loss_per_slot = acc.num / den
+    metrics = {"loss": jnp.sum(loss_per_slot), "loss_per_slot": loss_per_slot}
+    grads, role_g = acc.grads, None
+    if diagnostics:  # rows of another group in a micro-batch: the batch was not group-aligned
+        metrics["misaligned_rows"] = acc.misaligned
+        grads, role_g, diag = _role_diagnostics(acc.grads, jnp.asarray(tables.group_slot, jnp.int32),
+                                                jnp.asarray(tables.group_role, jnp.int32), k_slot, S, K)
+        metrics.update(diag)
+    new_ema = state.grad_ema
+    if levers is not None and levers.active:  # damping, fan-out, balancing (marl_jax.rl.levers)
+        from marl_jax.rl import levers as LV
+        grads, new_ema, metrics["levers"] = LV.apply(levers, role_g, state.grad_ema, k_slot, S)
+    metrics["slot_grad_norm"] = global_norm_per_slot(grads)
+    if acc.stats is not None:
+        metrics["role_stats"] = acc.stats
+    finite = jnp.isfinite(metrics["loss"]) & jnp.all(jnp.isfinite(metrics["slot_grad_norm"]))
+    metrics["finite"] = finite
+    return _apply_if_finite(tx, state, grads, new_ema, finite), metrics
+
+
+def _tree_dot(a, b):
+    return sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32)).real
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
 def _role_diagnostics(acc, g_slot, g_role, k_slot, S: int, K: int):
@@ -306,200 +469,68 @@ def _apply_if_finite(tx, state: "TrainState", grads, new_ema, finite):
                       state.step + 1, state.skipped + (~finite).astype(jnp.int32), keep(new_ema, state.grad_ema))
 
 
-def _item_group(grp, xp=jnp):
-    """An item's group (its rows' largest, -1 when all padding) and how many of its rows belong to another."""
-    mg = xp.max(grp)
-    return mg, xp.sum((grp >= 0) & (grp != mg)).astype(xp.int32)
+def item_rows(batch: TrainBatch, it: layout.Item, *, head_on_scored: bool = False) -> ItemRows:
+    """An item's rows gathered on the host from its slot's (padding rows, -1, as zeros and group -1). Token
+    columns past its window are never read, so they are dropped: its program's shape does not depend on T.
+    head_on_scored: a packed item's LM head runs over its completion tokens alone (scored_positions)."""
+    s, t = it.slot, min(it.shape.t, batch.tokens.shape[2])
+    take = lambda x, fill=0: layout.take_rows(np.asarray(x)[s], it.rows, fill)
+    pk = it.pack or layout.RowPacking(None, None)
+    rows = ItemRows(tokens=take(batch.tokens[:, :, :t]), valid=take(batch.valid[:, :, :t]),
+                    win_start=take(batch.win_start), targets=take(batch.targets), loss_mask=take(batch.loss_mask),
+                    old_logp=take(batch.old_logp), advantages=take(batch.advantages), kl_coef=take(batch.kl_coef),
+                    weight=take(np.asarray(batch.row_weight, np.float32)), group=take(batch.group, -1),
+                    length=None if batch.length is None else take(batch.length),
+                    pack_seq=pk.seq, pack_off=pk.off, pack_pre=pk.pre, pack_share=pk.share)
+    if isinstance(it.shape, Packed) and head_on_scored:
+        W = rows.targets.shape[1]
+        rows = rows._replace(head_idx=scored_positions(rows.loss_mask[:, :min(W, it.shape.t)], it.positions))
+    return rows
 
 
 def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: optax.GradientTransformation,
                     *, num_groups: int, group_slot, group_role, num_roles: int, role_slot, mesh=None, rules=None,
                     levers=None):
-    """Build the jitted step. Group/role tables are static per workflow (host tuples).
+    """The update step: step(state, base, batch) -> (state, metrics), its state donated.
 
-    group_slot[g], group_role[g]: slot and role index of diagnostic group g; role_slot[k]: slot of role k.
-    Returns step(state, base, batch) -> (state, metrics).
-
-    With a mesh, the program's input and output shardings come from the logical axis rules
-    (marl_jax.models.sharding): the base and the slot-stacked trainable weights, their optimizer
-    state and the gradient accumulators by parameter name (FSDP over "fsdp", tensor parallelism over
-    "model"), batch rows over data x fsdp; metrics are replicated. Nothing is gathered to the host.
-
-    The functions below are in the order a step runs them: the host lays the batch out into work items,
-    each item computes its rows' loss terms and gradient, items are accumulated per group, and `finish`
-    turns the accumulators into diagnostics and the optimizer step. `itemwise` runs that as one program
-    per item shape, `fused` as one program for the whole step.
+    group_slot[g], group_role[g]: slot and role index of diagnostic group g; role_slot[k]: slot of role k
+    (host tuples, static per workflow). With a mesh, the programs' input and output shardings come from the
+    logical axis rules (marl_jax.models.sharding): the base and the slot-stacked trainable weights, their
+    optimizer state and the gradient accumulators by parameter name (FSDP over "fsdp", tensor parallelism
+    over "model"), an item's rows over data x fsdp; metrics are replicated. Nothing is gathered to the host.
+    step.item_programs() counts the item programs compiled so far.
     """
-    G, K = num_groups, num_roles
-    g_slot = jnp.asarray(group_slot, jnp.int32)
-    g_role = jnp.asarray(group_role, jnp.int32)
-    k_slot = jnp.asarray(role_slot, jnp.int32)
+    assert len(group_slot) == len(group_role) == num_groups and len(role_slot) == num_roles
+    tables = Tables(tuple(group_slot), tuple(group_role), tuple(role_slot))
     budget = ucfg.max_tokens_per_micro_batch
-    # Packed items of the item-by-item step run the LM head over their completion tokens only (scored_positions)
+    # Packed items run the LM head over their completion tokens only (scored_positions); under a mesh their
+    # rows stay split over the data axes instead.
     head_on_scored = ucfg.packing and mesh is None and not ucfg.head_chunk
+    programs = {}  # jitted at the first step: under a mesh their shardings follow the state's shapes
 
-    # ---- 1. the host: the batch's rows and its work items ----
-    def pack(batch: TrainBatch) -> TrainBatch:
-        """The batch with its micro-batches' packing (layout.pack_batch) when packing is on and it has none."""
-        if ucfg.packing and batch.pack_shape is None:
-            return pack_batch(batch, ucfg.micro_batch, ucfg.length_buckets, ucfg.share_prefix, ucfg.length_grid)
-        return batch
-
-    def rows_of(batch: TrainBatch, xp=jnp, packed: bool = ucfg.packing):
-        """The per-row arrays an item reads, as a dict; packed: with the batch's packing (validated)."""
-        rows = {"tokens": batch.tokens, "valid": batch.valid, "win_start": batch.win_start,
-                "targets": batch.targets, "loss_mask": batch.loss_mask,
-                "old_logp": batch.old_logp, "advantages": batch.advantages, "kl_coef": batch.kl_coef}
-        if batch.length is not None:
-            rows["length"] = batch.length
-        if packed:
-            if batch.pack_shape is None:
-                raise ValueError("UpdateConfig.packing needs the batch's packing (rl.layout.pack_batch); the step "
-                                 "returned by make_train_step adds it on the host")
-            rows.update(pack_seq=batch.pack_seq, pack_off=batch.pack_off, pack_shape=batch.pack_shape)
-            if ucfg.share_prefix:
-                if batch.pack_share is None:
-                    raise ValueError("UpdateConfig.share_prefix needs the batch packed with it "
-                                     "(rl.layout.pack_batch(..., share_prefix=...))")
-                rows.update(pack_pre=batch.pack_pre, pack_share=batch.pack_share)
-        return {k: xp.asarray(v) for k, v in rows.items()}
-
-    def plan(batch: TrainBatch) -> list[layout.Item]:
-        """The batch's work items in the order they run (layout.plan_items)."""
-        return layout.plan_items(batch, micro_batch=ucfg.micro_batch, length_buckets=ucfg.length_buckets,
-                                 grid=ucfg.length_grid, packing=ucfg.packing, share_prefix=ucfg.share_prefix,
-                                 max_tokens=budget, by_group=ucfg.diagnostics, head_over_rows=not head_on_scored)
-
-    # ---- 2. one item: a forward pass, every row's loss terms, one VJP ----
-    def terms_over(t, T, W, mb):
-        """Row numerators, gradient and aux of one item computed over its first t positions (every row of
-        the item is at most t tokens long, so causal attention gives the same values as over all T)."""
-        Wt = min(W, t)  # a completion is shorter than its row
-        remat = ucfg.remat
-        if remat == "auto":  # per window: short items keep their activations, long ones recompute
-            remat = remat_for(cfg, mb, t, Wt, ucfg.remat_budget_gb * 2 ** 30,
-                              dtype="bfloat16" if jnp.dtype(ucfg.dtype) == jnp.bfloat16 else "float32",
-                              rank=spec.rank if spec.mode == "lora" else 0)
-
-        def run(mine, base, r, cot):
-            rt = dict(r, tokens=r["tokens"][:, :t], valid=r["valid"][:, :t], targets=r["targets"][:, :Wt],
-                      loss_mask=r["loss_mask"][:, :Wt], old_logp=r["old_logp"][:, :Wt])
-            terms = lambda tr: _row_terms(cfg, spec, ucfg, base, tr, rt, mesh, rules, norm_len=W, remat=remat)
-            nums, vjp, aux = jax.vjp(terms, mine, has_aux=True)
-            (gr,) = vjp(cot.astype(nums.dtype))
-            aux = jax.tree_util.tree_map(lambda a: jnp.pad(a, ((0, 0), (0, W - Wt))), aux)
-            return nums, gr, aux
-        return run
-
-    def packed_over(p, t, T, W, mb):
-        """As terms_over(t), with the item's rows laid end to end in p sequences of t tokens."""
-        inner = terms_over(t, T, W, mb)
-
-        def run(mine, base, r, cot):
-            put, segments = pack_item(r, p, t, T)
-            rp = dict(r, pack_tokens=put(r["tokens"][:, :min(t, T)]), pack_segments=segments)
-            return inner(mine, base, rp, cot)
-        return run
-
-    def role_stats(aux, r, w, grp, W):
-        """Additive loss stats per role for one item: dict of [K]."""
-        def for_role(k):
-            in_role = (jnp.take(g_role, jnp.maximum(grp, 0)) == k) & (grp >= 0)
-            rw = w * in_role
-            st = L.policy_loss_stats(
-                aux["logp"], aux["old"], r["advantages"], r["loss_mask"], clip_low=ucfg.clip_low,
-                clip_high=ucfg.clip_high, dual_clip=ucfg.dual_clip, agg=ucfg.agg,
-                max_len_norm=ucfg.max_len_norm or W, ref_logp=aux.get("ref"), kl_estimator=ucfg.kl_estimator,
-                entropy=aux.get("entropy"), row_weight=rw)
-            st["rows"] = jnp.sum(rw)
-            st["resp_tokens"] = jnp.sum(r["loss_mask"] * rw[..., None])
-            return st
-        return jax.vmap(for_role)(jnp.arange(K))
-
-    def item(trainable, base, r, w, grp, slot, cot, *, kind, T, W):
-        """One item on its slot's parameters: its weighted loss numerator, its gradient and its role stats."""
-        mine = jax.tree_util.tree_map(lambda x: x[slot], trainable)
-        mb = w.shape[0]
-        fn = packed_over(kind[1], kind[2], T, W, mb) if kind[0] == "pack" else terms_over(kind[1], T, W, mb)
-        nums, gr, aux = fn(mine, base, r, cot)
-        return jnp.sum(nums * w), gr, (role_stats(aux, r, w, grp, W) if ucfg.metrics else None)
-
-    # ---- 3. accumulation over items ----
-    def zero_acc(trainable):
-        """Zero gradient accumulators: one per diagnostic group (diagnostics) or per slot."""
-        one_slot_zero = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[1:], x.dtype), trainable)
-        return (jax.tree_util.tree_map(lambda x: jnp.zeros((G,) + x.shape, x.dtype), one_slot_zero)
-                if ucfg.diagnostics else jax.tree_util.tree_map(jnp.zeros_like, trainable))
-
-    def start(trainable, st, S):
-        """The accumulators before the first item: zero gradients and sums, maxima below any value."""
-        role_st = None if st is None else {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0, v.dtype)
-                                           for k, v in st.items()}
-        return zero_acc(trainable), jnp.zeros((S,), jnp.float32), jnp.int32(0), role_st
-
-    def add_grad(acc, gr, slot, grp_id):
-        """Add one item's gradient to its group's accumulator (diagnostics; grp_id -1: dropped) or its slot's."""
-        if ucfg.diagnostics:
-            at = jnp.where(grp_id >= 0, grp_id, G)
-            return jax.tree_util.tree_map(lambda a, g: a.at[at].add(g, mode="drop"), acc, gr)
-        return jax.tree_util.tree_map(lambda a, g: a.at[slot].add(g), acc, gr)
-
-    def accumulate(carry, num, gr, st, slot, grp_id, mix):
-        """Fold one item into the carry: its gradient, loss numerator, misaligned rows and role stats."""
-        acc, num_total, mixed, role_st = carry
-        acc = add_grad(acc, gr, slot, grp_id)
-        if st is not None:
-            role_st = {k: (jnp.maximum(role_st[k], v) if k.endswith("_max") else role_st[k] + v)
-                       for k, v in st.items()}
-        return acc, num_total.at[slot].add(num), mixed + (mix if ucfg.diagnostics else 0), role_st
-
-    # ---- 4. after the last item: diagnostics, levers, the optimizer ----
-    def finish(state: TrainState, acc, num_total, mixed, role_st, den):
-        """From the accumulated item gradients: per-role diagnostics, levers, clipping and the optimizer."""
-        S = den.shape[0]
-        loss_per_slot = num_total / den
-        metrics = {"loss": jnp.sum(loss_per_slot), "loss_per_slot": loss_per_slot}
-        role_g = None
-        if ucfg.diagnostics:  # rows of another group in a micro-batch: the batch was not group-aligned
-            metrics["misaligned_rows"] = mixed
-            grads, role_g, diag = _role_diagnostics(acc, g_slot, g_role, k_slot, S, K)
-            metrics.update(diag)
-        else:
-            grads = acc
-        new_ema = state.grad_ema
-        if levers is not None and levers.active:  # damping, fan-out, balancing (marl_jax.rl.levers)
-            from marl_jax.rl import levers as LV
-            grads, new_ema, metrics["levers"] = LV.apply(levers, role_g, state.grad_ema, k_slot, S)
-        from marl_jax.rl.optim import global_norm_per_slot
-        metrics["slot_grad_norm"] = global_norm_per_slot(grads)
-        if role_st is not None:
-            metrics["role_stats"] = role_st
-        finite = jnp.isfinite(metrics["loss"]) & jnp.all(jnp.isfinite(metrics["slot_grad_norm"]))
-        metrics["finite"] = finite
-        return _apply_if_finite(tx, state, grads, new_ema, finite), metrics
-
-    # ---- running steps 2-4: one program per item shape ----
-    # A program over the whole batch has the batch's shape (rows, length, packed shapes used), which changes
-    # from step to step in RL, so it would compile again nearly every step. Run item by item instead, each
-    # item's program keyed by its own shape only (window or packed shape, rows, completion window): after the
-    # first steps every program is compiled, and the persistent cache serves them across runs.
-    programs = {}  # built at the first step: under a mesh their shardings follow the state's shapes
-
-    def item_programs(state):
-        """The jitted item, accumulate, start and finish programs (with output shardings under a mesh)."""
-        if not programs:
-            kw = [{} for _ in range(4)]
-            if mesh is not None:
-                rep = sharding.replicated(mesh)
-                one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.trainable)
-                acc = sharding.tree_shardings(jax.eval_shape(zero_acc, state.trainable), mesh, rules)
-                kw = [dict(out_shardings=(rep, sharding.tree_shardings(one, mesh, rules), rep)),
-                      dict(out_shardings=(acc, rep, rep, rep)), dict(out_shardings=(acc, rep, rep, rep)),
-                      dict(out_shardings=(sharding.tree_shardings(state, mesh, rules), rep))]
-            programs.update(item=jax.jit(item, static_argnames=("kind", "T", "W"), **kw[0]),
-                            accumulate=jax.jit(accumulate, donate_argnums=(0,), **kw[1]),
-                            start=jax.jit(start, static_argnums=(2,), **kw[2]),
-                            finish=jax.jit(finish, donate_argnums=(0,), **kw[3]))
+    def compiled(state: TrainState) -> dict:
+        if programs:
+            return programs
+        item = lambda trainable, base, rows, slot, den, *, shape: item_grad(
+            cfg, spec, ucfg, shape, jax.tree_util.tree_map(lambda x: x[slot], trainable), base, rows, den,
+            group_role=tables.group_role, num_roles=num_roles, mesh=mesh, rules=rules)
+        zero = lambda trainable, stats: zero_accum(trainable, stats, num_groups=num_groups,
+                                                   diagnostics=ucfg.diagnostics)
+        kw = [{} for _ in range(3)]
+        if mesh is not None:  # gradients and accumulators sharded like the weights they stand for (FSDP)
+            rep = sharding.replicated(mesh)
+            one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.trainable)
+            acc = Accum(sharding.tree_shardings(jax.eval_shape(zero, state.trainable, None).grads, mesh, rules),
+                        rep, rep, rep)
+            kw = [dict(out_shardings=ItemGrad(rep, sharding.tree_shardings(one, mesh, rules), rep)),
+                  dict(out_shardings=acc), dict(out_shardings=(sharding.tree_shardings(state, mesh, rules), rep))]
+        programs.update(
+            item=jax.jit(item, static_argnames=("shape",), **kw[0]), zero=jax.jit(zero, **kw[1]),
+            accumulate=jax.jit(lambda *a: accumulate(*a, diagnostics=ucfg.diagnostics), donate_argnums=(0,),
+                               **kw[1]),
+            finish=jax.jit(lambda state, acc, den: finish(state, acc, den, tx=tx, tables=tables,
+                                                          diagnostics=ucfg.diagnostics, levers=levers),
+                           donate_argnums=(0,), **kw[2]))
         return programs
 
     def put(tree, rows_first: bool = True):
@@ -510,149 +541,97 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             lambda x: sharding.batch_sharding(x, mesh, 0, rules) if rows_first and np.ndim(x)
             else sharding.replicated(mesh), tree))
 
-    def itemwise(state: TrainState, base, batch: TrainBatch):
-        """The step item by item: each item's rows gathered on the host, its program, the accumulators, finish."""
+    def step(state: TrainState, base, batch: TrainBatch):
         if mesh is not None:  # a no-op for arrays already in place (the trainer's), so donation still works
             state, base = jax.device_put((state, base), (sharding.tree_shardings(state, mesh, rules),
                                                          sharding.tree_shardings(base, mesh, rules)))
-        fns = item_programs(state)
-        rows = rows_of(batch, np, packed=ucfg.packing and not budget)  # a budget's items carry their own packing
-        S, R, T = rows["tokens"].shape
-        W = rows["targets"].shape[2]
+        fns = compiled(state)
+        batch = jax.tree_util.tree_map(np.asarray, batch)  # laid out on the host, item by item
+        if ucfg.packing and not budget:  # fixed micro-batches read their packing from the batch
+            batch = _packed(ucfg, batch)
         den = np.maximum(np.asarray(batch.den, np.float32), np.float32(1.0))
-        weight, group = np.asarray(batch.row_weight, np.float32), np.asarray(batch.group, np.int32)
-        carry = None
-        for it in plan(batch):
-            s, t = it.slot, min(it.kind[-1], T)
-            # Columns past the window are never read: the program's shape does not depend on T.
-            r = {k: layout.take_rows(v[s][:, :t] if k in ("tokens", "valid") else v[s], it.rows)
-                 for k, v in rows.items()}
-            if it.pack is not None:
-                r.update(it.pack)
-            if it.kind[0] == "pack" and head_on_scored:
-                hi = scored_positions(r["loss_mask"][:, :min(W, t)], it.kind[1] * it.kind[2])
-                if hi is not None:
-                    r["head_idx"] = hi
-            w, grp = layout.take_rows(weight[s], it.rows), layout.take_rows(group[s], it.rows, -1)
-            grp_id, mix = _item_group(grp, np)
-            r, w_, grp_, cot = put((r, w, grp, w / den[s]))
-            slot, grp_id, mix = put((np.int32(s), np.int32(grp_id), np.int32(mix)), rows_first=False)
-            num, gr, st = fns["item"](state.trainable, base, r, w_, grp_, slot, cot, kind=it.kind, T=t, W=W)
-            if carry is None:
-                carry = fns["start"](state.trainable, st, S)
-            carry = fns["accumulate"](carry, num, gr, st, slot, grp_id, mix)
-        if carry is None:  # no trained row at all (rare): the fused program handles the empty batch
-            return fallback(state, base, pack(batch), (0,) if ucfg.packing else None)
-        acc, num_total, mixed, role_st = carry
-        return fns["finish"](state, acc, num_total, mixed, role_st, put(den, rows_first=False))
+        acc = None
+        for it in layout.plan_items(batch, micro_batch=ucfg.micro_batch, length_buckets=ucfg.length_buckets,
+                                    grid=ucfg.length_grid, packing=ucfg.packing, share_prefix=ucfg.share_prefix,
+                                    max_tokens=budget, by_group=ucfg.diagnostics,
+                                    head_over_rows=not head_on_scored):
+            rows = item_rows(batch, it, head_on_scored=head_on_scored)
+            group, misaligned = _item_group(rows.group)
+            slot = put(np.int32(it.slot), rows_first=False)
+            out = fns["item"](state.trainable, base, put(rows), slot, put(den[it.slot], rows_first=False),
+                              shape=it.shape)
+            acc = fns["zero"](state.trainable, out.stats) if acc is None else acc
+            acc = fns["accumulate"](acc, out, slot, *put((np.int32(group), np.int32(misaligned)), rows_first=False))
+        if acc is None:  # no trained row (every advantage 0, no KL or entropy term): the optimizer still steps
+            acc = fns["zero"](state.trainable, None)
+        return fns["finish"](state, acc, put(den, rows_first=False))
 
-    # ---- or steps 2-4 as one program: a scan over the items ----
-    def fused(state: TrainState, base, batch: TrainBatch, used: tuple[int, ...] | None = None):
-        """The whole step as one program: a scan over items. used (packing, static): the pack_shapes indices
-        the batch's items take; only these compile."""
-        S, R, T = batch.tokens.shape
-        mb = min(ucfg.micro_batch, R)
-        M = R // mb
-        den = jnp.maximum(batch.den, 1.0)  # [S], counted on the host over every trained row
-        rows = rows_of(batch)
-        # [S, R, ...] -> [S * M, mb, ...]: one work item per (slot, micro-batch), slot-major. Items run one at
-        # a time on their own slot's parameters, so an item of padding only (a slot with fewer rows than the
-        # largest, bucketing, group alignment) is skipped outright: a slot vmap would compute every slot.
-        W = batch.targets.shape[2]
-        split = lambda x: x.reshape((S * M, mb) + x.shape[2:])
-        mrows = jax.tree_util.tree_map(split, rows)
-        if mesh is not None:  # each micro-batch's rows are split over data x fsdp
-            mrows = jax.tree_util.tree_map(
-                lambda x: sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2), mesh, rules), mrows)
-        mweight, mgroup = split(batch.row_weight), split(batch.group)
-        mslot = jnp.repeat(jnp.arange(S, dtype=jnp.int32), M)
-        ladder = length_ladder(T, ucfg.length_buckets, ucfg.length_grid) if batch.length is not None else (T,)
+    def shapes(T: int, W: int) -> list[layout.ItemShape]:
+        """Every item shape a batch padded to T with scored window W can give (layout.update_shapes)."""
+        return layout.update_shapes(T, W, micro_batch=ucfg.micro_batch, length_buckets=ucfg.length_buckets,
+                                    grid=ucfg.length_grid, packing=ucfg.packing, max_tokens=budget,
+                                    head_over_rows=not head_on_scored)
 
-        def compute(carry, xs):
-            """One item inside the scan: its packed shape or window chosen by a switch, then accumulated."""
-            acc, num_total, mixed = carry
-            r, w, grp, slot = xs
-            mine = jax.tree_util.tree_map(lambda x: x[slot], state.trainable)
-            cot = w / den[slot]
-            if ucfg.packing:  # the item's packed shape, chosen on the host (pack_batch)
-                shapes = pack_shapes(T, mb, ucfg.length_buckets, share=ucfg.share_prefix > 0,
-                                     grid=ucfg.length_grid)
-                ks = tuple(used) if used is not None else tuple(range(len(shapes)))
-                which = jnp.searchsorted(jnp.asarray(ks, jnp.int32), jnp.max(r["pack_shape"]))
-                nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ks) - 1),
-                                               [packed_over(*shapes[k], T, W, mb) for k in ks], mine, base, r, cot)
-            elif len(ladder) == 1:
-                nums, gr, aux = terms_over(T, T, W, mb)(mine, base, r, cot)
-            else:  # the shortest window that holds the item's longest row
-                which = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(r["length"]), side="left")
-                nums, gr, aux = jax.lax.switch(jnp.minimum(which, len(ladder) - 1),
-                                               [terms_over(t, T, W, mb) for t in ladder], mine, base, r, cot)
-            num_total = num_total.at[slot].add(jnp.sum(nums * w))
-            grp_id, mix = _item_group(grp)
-            acc = add_grad(acc, gr, slot, grp_id)
-            return ((acc, num_total, mixed + (mix if ucfg.diagnostics else 0)),
-                    (role_stats(aux, r, w, grp, W) if ucfg.metrics else None))
+    def warmup(state: TrainState, base, T: int, W: int, workers: int = 1) -> int:
+        """Compile, without running, every program a step over batches padded to T (scored window W) can call:
+        each item shape of shapes(T, W) with exactly the arguments a step passes it (padding rows), and the
+        accumulators and the optimizer step. Later steps then compile nothing. workers > 1 compiles that many
+        programs at once (threads: XLA compiles outside the GIL). Returns the programs compiled."""
+        import concurrent.futures
 
-        def body(carry, xs):
-            """compute, or nothing for an item of padding only."""
-            stats_shape = jax.eval_shape(lambda c, x: compute(c, x)[1], carry, xs)
-            skip = lambda c, x: (c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
-            return jax.lax.cond(jnp.any(xs[1] > 0), compute, skip, carry, xs)
+        fns = compiled(state)
+        S = jax.tree_util.tree_leaves(state.trainable)[0].shape[0]
+        z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)
+        dummy = TrainBatch(tokens=z(S, 1, T), valid=z(S, 1, T, dtype=bool), win_start=z(S, 1), targets=z(S, 1, W),
+                           loss_mask=z(S, 1, W, dtype=np.float32), old_logp=z(S, 1, W, dtype=np.float32),
+                           advantages=z(S, 1, dtype=np.float32), row_weight=z(S, 1, dtype=np.float32),
+                           group=z(S, 1) - 1, kl_coef=z(S, 1, dtype=np.float32), den=np.ones(S, np.float32),
+                           length=z(S, 1))
+        slot, den = put(np.int32(0), rows_first=False), put(np.float32(1.0), rows_first=False)
 
-        acc0 = zero_acc(state.trainable)
-        if mesh is not None:  # gradient accumulators sharded like the weights they accumulate (FSDP)
-            acc0 = jax.lax.with_sharding_constraint(acc0, sharding.tree_shardings(acc0, mesh, rules))
-        (acc, num_total, mixed), mstats = jax.lax.scan(
-            body, (acc0, jnp.zeros((S,), jnp.float32), jnp.int32(0)), (mrows, mweight, mgroup, mslot))
-        role_st = None
-        if ucfg.metrics:  # combine micro-batches: sums add, maxima take the max
-            role_st = {k: (v.max(0) if k.endswith("_max") else v.sum(0)) for k, v in mstats.items()}
-        return finish(state, acc, num_total, mixed, role_st, den)
+        def item_args(key: layout.ItemShape):
+            n = key.rows
+            pack = (layout.RowPacking(*[z(n)] * (4 if ucfg.share_prefix else 2)) if isinstance(key.shape, Packed)
+                    else None)
+            rows = item_rows(dummy, layout.Item(0, np.full(n, -1), key.shape, pack), head_on_scored=head_on_scored)
+            return (state.trainable, base, put(rows), slot, den)
 
-    # ---- the step ----
-    fn = fallback = (jax.jit(fused, donate_argnums=(0,), static_argnums=(3,)) if mesh is None
-                     else _sharded_jit(fused, mesh, rules))
-    if ucfg.program in ("auto", "items"):
-        def items_step(state, base, batch):
-            """The step, item by item (a token budget packs each item itself; fixed micro-batches are packed first)."""
-            return itemwise(state, base, batch if budget else pack(batch))
-        # compiled item programs so far
-        items_step.item_programs = lambda: programs["item"]._cache_size() if programs else 0
-        return items_step
+        keys = shapes(T, W)
+        lower = lambda key: fns["item"].lower(*item_args(key), shape=key.shape).compile()
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(lower, keys))
+        # The accumulators and the optimizer step: their shapes follow the weights and the stats, not the items.
+        out = jax.eval_shape(lambda *a: fns["item"](*a, shape=keys[0].shape), *item_args(keys[0]))
+        acc = jax.eval_shape(fns["zero"], state.trainable, out.stats)
+        scalar = put(np.int32(0), rows_first=False)
+        fns["zero"].lower(state.trainable, out.stats).compile()
+        fns["zero"].lower(state.trainable, None).compile()
+        fns["accumulate"].lower(acc, out, slot, scalar, scalar).compile()
+        fns["finish"].lower(state, acc, put(np.ones(S, np.float32), rows_first=False)).compile()
+        fns["finish"].lower(state, jax.eval_shape(fns["zero"], state.trainable, None),
+                            put(np.ones(S, np.float32), rows_first=False)).compile()
+        return len(keys) + 5
 
-    if not ucfg.packing:
-        return fn
-
-    def packed_step(state, base, batch):
-        """The fused step over a packed batch."""
-        batch = pack(batch)
-        # Compile only the packed shapes this batch's items take (every shape would be many branches).
-        length, shape = np.asarray(batch.length), np.asarray(batch.pack_shape)
-        used = tuple(sorted({int(k) for k in np.unique(shape[length > 0])})) or (0,)
-        return fn(state, base, batch, used)
-    return packed_step
+    step.item_programs = lambda: programs["item"]._cache_size() if programs else 0
+    step.shapes = shapes
+    step.warmup = warmup
+    return step
 
 
-def _sharded_jit(step, mesh, rules):
-    """jit `step` with shardings from the rules, built at the first call (they depend on the trees' shapes).
-    Arguments are placed first (a no-op for arrays already in place, so donation still works)."""
-    compiled = {}
+def _packed(ucfg: UpdateConfig, batch: TrainBatch) -> TrainBatch:
+    """The batch with its micro-batches' packing (layout.pack_batch) when it has none yet."""
+    if batch.pack_shape is None:
+        return pack_batch(batch, ucfg.micro_batch, ucfg.share_prefix, ucfg.length_grid)
+    if ucfg.share_prefix and batch.pack_share is None:
+        raise ValueError("UpdateConfig.share_prefix needs the batch packed with it "
+                         "(rl.layout.pack_batch(..., share_prefix=...)) or not packed at all")
+    return batch
 
-    def call(state, base, batch, used=None):
-        shapes = jax.tree_util.tree_map(jnp.shape, (state, base, batch))
-        key = (jax.tree_util.tree_structure(shapes), tuple(jax.tree_util.tree_leaves(shapes)), used)
-        if key not in compiled:  # shardings depend on shapes (a dimension the mesh does not divide stays whole)
-            rows = lambda x: (sharding.batch_sharding(x, mesh, 1, rules) if jnp.ndim(x) >= 2
-                              else sharding.replicated(mesh))
-            shardings = (sharding.tree_shardings(state, mesh, rules), sharding.tree_shardings(base, mesh, rules),
-                         jax.tree_util.tree_map(rows, batch))
-            fn = jax.jit(functools.partial(step, used=used), donate_argnums=(0,), in_shardings=shardings,
-                         out_shardings=(shardings[0], sharding.replicated(mesh)))
-            compiled[key] = (fn, shardings)
-        fn, shardings = compiled[key]
-        return fn(*jax.device_put((state, base, batch), shardings))
 
-    return call
+def _item_group(group: np.ndarray) -> tuple[int, int]:
+    """An item's group (its rows' largest, -1 when all padding) and how many of its rows belong to another."""
+    g = int(np.max(group))
+    return g, int(np.sum((group >= 0) & (group != g)))
 
 
 def init_state(trainable, tx) -> TrainState:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.config import kv_dtype, validate
+from marl_jax.config import kv_dtype, paged_kv, validate
 from marl_jax.generate.sampler import Sampler
 from marl_jax.models import sharding
 from marl_jax.models.loading import LoadedModel, load_model, with_param_dtype
@@ -109,7 +109,7 @@ def build(config, *, model: LoadedModel | None = None, tasks: list[Task] | None 
     spec = PolicySpec(mode=config.trainable.mode, rank=config.trainable.rank, alpha=config.trainable.alpha,
                       targets=parse_targets(config.trainable.targets), num_slots=max(mapping.values()) + 1)
     sampler = Sampler(model.cfg, dtype=dtype, max_batch=config.rollout.max_batch, pad_id=model.tokenizer.pad_id,
-                      spec=spec, mesh=mesh, rules=rules, paged=bool(config.rollout.paged_kv),
+                      spec=spec, mesh=mesh, rules=rules, paged=paged_kv(config, jax.default_backend()),
                       kv_block=int(config.rollout.kv_block),
                       compaction_buckets=int(config.rollout.compaction_buckets),
                       compaction_patience=int(config.rollout.compaction_patience),

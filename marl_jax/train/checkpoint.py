@@ -129,7 +129,7 @@ def _check_json(meta: Mapping[str, Any]) -> dict:
 LAYOUT_KEYS = ("model.attention", "grpo.packing", "grpo.share_prefix", "grpo.remat", "grpo.remat_budget_gb", "grpo.unroll",
                "grpo.length_grid", "rollout.max_batch", "rollout.paged_kv", "rollout.kv_block", "rollout.compaction_buckets",
                "rollout.compaction_patience", "rollout.prefill_chunk", "grpo.max_tokens_per_micro_batch",
-               "rollout.kv_budget_gb", "rollout.max_batched_tokens")
+               "rollout.kv_budget_gb", "rollout.max_batched_tokens", "rollout.prompt_tokens", "train.warmup")
 RESUMABLE_KEYS = ("train.steps", "train.val_every", "train.ckpt_every", "train.keep_ckpts", "train.tensorboard",
                   "train.plots", "grpo.diagnostics_every") + LAYOUT_KEYS
 
