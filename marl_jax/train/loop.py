@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.models.sharding import to_host
+from marl_jax.models.sharding import to_device, to_host
 from marl_jax.policy.sampling import PolicySampler
 from marl_jax.rl import levers as levers_lib, optim
 from marl_jax.rl.advantages import grpo_advantages, group_outcomes
 from marl_jax.rl.batch import make_batch, make_groups
 from marl_jax.rl.update import TrainState, UpdateConfig, init_state, make_train_step
 from marl_jax.tasks.data import task_batches
+from marl_jax.train import compiles
 from marl_jax.train.build import Runtime, build
 from marl_jax.train.checkpoint import Checkpointer, ConfigChangedError, RESUMABLE_KEYS, config_changes
 from marl_jax.train.cliff import CliffMonitor, detect_cliff
@@ -36,7 +37,10 @@ from marl_jax.workflows.rollout import run_episodes
 # Step-record keys that depend on the machine or on cache state (the sampler's, from PolicySampler.summary):
 # not compared between runs that should otherwise agree.
 TIMING_KEYS = ("tokens_per_s", "step_s", "sampler_s", "glue_s", "reward_s", "update_s", "sample_prefill_s",
-               "sample_decode_s", "sample_row_use", "sample_cached_frac", "sample_peak_kv_mib")
+               "sample_decode_s", "sample_row_use", "sample_cached_frac", "sample_peak_kv_mib",
+               # compiles depend on what the process (and the persistent cache) compiled before
+               *compiles.RECORD_KEYS, *(f"val/{k}" for k in compiles.RECORD_KEYS), "warmup_s", "warmup_programs",
+               "warmup_compile_s")
 
 
 def _host(x):
@@ -73,6 +77,11 @@ def update_record(m: dict, roles, role_to_slot, copies) -> dict[str, float]:
                 out[f"{r}/entropy"] = float(st["entropy"][k]) / tok
             if "kl" in st:
                 out[f"{r}/kl"] = float(st["kl"][k]) / tok
+            if "logp_gap_abs" in st:  # the sampler's log-probs against the trainer's for the same tokens
+                out[f"logp_gap/{r}/mean_abs"] = float(st["logp_gap_abs"][k]) / tok
+                out[f"logp_gap/{r}/k3"] = float(st["logp_gap_k3"][k]) / tok
+            if "tis_capped" in st:
+                out[f"logp_gap/{r}/tis_capped_frac"] = float(st["tis_capped"][k]) / tok
     if "levers" in m:
         out.update(levers_lib.records(m["levers"], roles))
     slot_norm = _host(m["slot_grad_norm"])
@@ -87,6 +96,7 @@ def validate_policy(rt: Runtime, trainable, key, step: int, workdir: str | None 
     <workdir>/val_tasks.jsonl (paired comparisons between runs on the same tasks)."""
     c = rt.config
     n = int(c.train.get("val_samples", 1))
+    compiled_before = compiles.snapshot()
     sample = PolicySampler(rt.sampler, rt.base, trainable, key, temperature=c.train.val_temperature,
                            top_p=c.rollout.top_p, top_k=c.rollout.top_k, stop_ids=tuple(rt.tokenizer.eos_token_ids))
     res = run_episodes(rt.workflow, rt.val_tasks, n, sample, rt.tokenizer, role_to_slot=rt.role_to_slot,
@@ -102,6 +112,7 @@ def validate_policy(rt: Runtime, trainable, key, step: int, workdir: str | None 
     for k, v in res.metrics.items():
         if k == "success" or k.endswith("/accuracy") or k in ("any_correct", "iterations", "items"):
             rec[f"val/{k}"] = float(v)
+    rec.update(compiles.record(compiled_before, prefix="val/"))
     return rec
 
 
@@ -136,7 +147,9 @@ class Trainer:
                                  remat_budget_gb=g.remat_budget_gb, packing=g.packing,
                                  share_prefix=int(g.share_prefix), unroll=bool(g.unroll),
                                  length_grid=int(g.length_grid),
-                                 max_tokens_per_micro_batch=int(g.max_tokens_per_micro_batch), dtype=rt.dtype)
+                                 max_tokens_per_micro_batch=int(g.max_tokens_per_micro_batch),
+                                 tis_cap=float(g.get("tis_cap", 0.0)), dtype=rt.dtype,
+                                 temperature=float(config.rollout.temperature) or 1.0)
         o = config.optim
         self.tx = optim.per_slot(optim.make_optimizer(
             lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
@@ -157,6 +170,9 @@ class Trainer:
         if self.levers.damps:  # each role's gradient EMA, checkpointed with the state
             self.state = self.state._replace(grad_ema=rt.place(levers_lib.init_ema(self.state.trainable,
                                                                                    len(rt.roles))))
+        # One T and W for every batch: the update's programs then come from one set (rl.layout.update_shapes)
+        from marl_jax.plan import update_lengths
+        self.lengths = update_lengths(config)
         self.data = task_batches(rt.train_tasks, batch_size=config.num_tasks, seed=config.train.seed)
         self.monitor = CliffMonitor(drop=config.train.cliff_drop, patience=config.train.cliff_patience)
         self.ckpt = Checkpointer(self.run_dir.uri, keep=config.train.keep_ckpts)
@@ -198,6 +214,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         rt, c = self.rt, self.c
         t0 = time.perf_counter()
+        compiled_before = compiles.snapshot()
         tasks = next(self.data)
         sample = PolicySampler(rt.sampler, rt.base, self.state.trainable, jax.random.fold_in(self.key, step + 1),
                                temperature=c.rollout.temperature, top_p=c.rollout.top_p, top_k=c.rollout.top_k,
@@ -213,12 +230,14 @@ class Trainer:
         batch = make_batch(rows, adv, role_to_slot=rt.role_to_slot, num_slots=rt.spec.num_slots, groups=self.groups,
                            micro_batch=c.grpo.micro_batch, pad_id=rt.tokenizer.pad_id, kl_coef=self.kl_coef,
                            agg=c.grpo.agg, keep_zero_advantage=self.ucfg.kl or self.ucfg.entropy_coef != 0.0,
-                           align_groups=c.grpo.diagnostics, width=max(rt.max_new_tokens().values()))
+                           align_groups=c.grpo.diagnostics, width=max(rt.max_new_tokens().values()),
+                           seq_len=self.lengths[0])
         t1 = time.perf_counter()
         fn = self.step_fn if step % max(c.grpo.diagnostics_every, 1) == 0 else self.plain_step_fn
-        self.state, m = fn(self.state, rt.base, jax.tree_util.tree_map(jnp.asarray, batch))
-        rec = {"step": step + 1, **{k: float(v) for k, v in res.metrics.items()}}
-        rec.update(update_record(m, rt.roles, rt.role_to_slot, self.copies))
+        with compiles.part("update"):  # its compiles counted apart from the sampler's (update_compile_s)
+            self.state, m = fn(self.state, rt.base, to_device(batch))
+            rec = {"step": step + 1, **{k: float(v) for k, v in res.metrics.items()}}
+            rec.update(update_record(m, rt.roles, rt.role_to_slot, self.copies))
         rec["reward_mean"] = float(rewards.mean()) if len(rewards) else 0.0
         rec.update({k: float(v) for k, v in group_outcomes(rewards, keys).items()})
         rec["skipped_updates"] = int(_host(self.state.skipped))
@@ -227,11 +246,25 @@ class Trainer:
         rec.update(step_s=t2 - t0, update_s=t2 - t1, tokens_per_s=gen_tokens / max(t2 - t0, 1e-9),
                    **{k: float(v) for k, v in res.timing.items() if k in ("sampler_s", "glue_s", "reward_s")})
         rec.update(sample.summary())
+        rec.update(compiles.record(compiled_before))
         return rec
+
+    def warmup(self) -> dict[str, Any]:
+        """Compile every update program the config allows (rl.update's step.warmup) before the first step; what
+        it took (warmup_s, warmup_programs, warmup_compile_s: logged with the process's first train step)."""
+        t0, before = time.perf_counter(), compiles.snapshot()
+        T, W = self.lengths
+        workers = max(1, min(4, os.cpu_count() or 1))
+        with compiles.part("update"):
+            for fn in dict.fromkeys((self.step_fn, self.plain_step_fn)):
+                fn.warmup(self.state, self.rt.base, T, W, workers=workers)
+        d = compiles.since(before)["all"]
+        return {"warmup_s": time.perf_counter() - t0, "warmup_programs": d.programs, "warmup_compile_s": d.seconds}
 
     def run(self) -> dict[str, Any]:
         c, rt = self.c, self.rt
         steps = c.train.steps
+        warm = self.warmup() if c.train.get("warmup", True) and self.start_step < steps else {}
         if self.start_step == 0:
             val = validate_policy(rt, self.state.trainable, jax.random.fold_in(self.key, 10 ** 6), 0, self.workdir)
             self.writer.write(val)
@@ -241,6 +274,8 @@ class Trainer:
         try:
             for step in range(self.start_step, steps):
                 rec = self.train_step(step)
+                rec.update(warm)
+                warm = {}
                 self.writer.write(rec)
                 best = None
                 if (step + 1) % c.train.val_every == 0 or step + 1 == steps:
@@ -256,7 +291,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec.get('success', 0):.3f}",
                                 val=f"{rec['val/success']:.3f}" if "val/success" in rec else "-",
-                                tok_s=f"{rec['tokens_per_s']:.0f}")
+                                tok_s=f"{rec['tokens_per_s']:.0f}", compile=f"{rec['compile_s']:.1f}s")
                 if stopped_on_cliff:
                     break
         finally:

@@ -2,7 +2,8 @@
 
 Records follow :mod:`marl_jax.train.metrics`: flat dicts with ``"step"``; train keys ``success``,
 ``reward_mean``, ``<role>/accuracy``, ``grad/<role>/norm``, ``grad/<role>/share``,
-``grad/<role>/copy_alignment``, ``grad/cos/<a>~<b>``; validation keys ``val/success`` and
+``grad/<role>/copy_alignment``, ``grad/cos/<a>~<b>``, ``logp_gap/<role>/mean_abs`` and ``logp_gap/<role>/k3``
+(the sampler's log-probs against the trainer's); validation keys ``val/success`` and
 ``val/<role>/accuracy`` (step 0 = base model). Records of the same step are merged, a later value of a
 key replacing an earlier one (so a resumed run that was not truncated still counts each step once).
 """
@@ -73,6 +74,8 @@ def infer_roles(records: Iterable[Mapping[str, Any]]) -> list[str]:
 def _fmt(x: float | None, signed: bool = False) -> str:
     if x is None or not math.isfinite(x):
         return "-"
+    if 0 < abs(x) < 5e-4:  # small but not zero (a log-prob gap): significant digits, not 0.000
+        return f"{x:+.2e}" if signed else f"{x:.2e}"
     return f"{x:+.3f}" if signed else f"{x:.3f}"
 
 
@@ -107,7 +110,8 @@ def summary_table(records: Sequence[Mapping[str, Any]], roles: Sequence[str] | N
         lines.append(f"| {name} | {_fmt(base)} | {_fmt(float(v[pi]))} | {int(s[pi])} | {_fmt(final)} | "
                      f"{_fmt(None if base is None else final - base, signed=True)} | {cliff} |")
     train_keys = [("success", "success"), ("reward_mean", "reward_mean")] + [
-        (f"{r}/accuracy", f"{r}/accuracy") for r in roles]
+        (f"{r}/accuracy", f"{r}/accuracy") for r in roles] + [
+        (f"logp_gap/{r}/{k}", f"logp_gap/{r}/{k}") for r in roles for k in ("mean_abs", "k3")]
     # Short runs: halves, so that the first and last windows never overlap.
     w = min(TRAIN_WINDOW, max(1, len(curve(merged, "success")[1]) // 2))
     lines += ["", f"| train metric | first {w} steps mean | last {w} steps mean | steps |",
@@ -118,7 +122,24 @@ def summary_table(records: Sequence[Mapping[str, Any]], roles: Sequence[str] | N
             continue
         first, last = v[:w].mean(), v[-w:].mean()
         lines.append(f"| {name} | {_fmt(float(first))} | {_fmt(float(last))} | {int(s[0])}-{int(s[-1])} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + compile_lines(merged)) + "\n"
+
+
+def compile_lines(merged) -> list[str]:
+    """XLA's compile seconds (marl_jax.train.compiles): the first train step, the later ones (0 when a run's
+    shapes are all compiled by its first step), the update's part of each, and validation's."""
+    s, v = curve(merged, "compile_s")
+    if not len(v):
+        return []
+    _, u = curve(merged, "update_compile_s")
+    _, val = curve(merged, "val/compile_s")
+    _, hits = curve(merged, "compile_cache_hits")
+    first = int(s[0])
+    later = f"{v[1:].sum():.1f} ({int(np.count_nonzero(v[1:]))} of {len(v) - 1} steps compiled)" if len(v) > 1 else "-"
+    return ["", "| XLA compiling, s | first step (" + str(first) + ") | later steps | validation | "
+            "programs from the persistent cache |", "|---|---|---|---|---|",
+            f"| all | {v[0]:.1f} | {later} | {val.sum():.1f} | {int(hits.sum())} |",
+            f"| update | {u[0]:.1f} | {u[1:].sum():.1f} | - | - |" if len(u) == len(v) else "| update | - | - | - | - |"]
 
 
 # -- plots ---------------------------------------------------------------------------------------
