@@ -5,9 +5,16 @@ end-to-end training step. Random weights in Qwen3-0.6B shapes, bfloat16, nothing
 
 Prints JSON lines (and appends them to --out):
   {"bench": "device", ...}: backend, device kind, a measured bf16 matmul peak and copy bandwidth;
-  {"bench": "decode", "batch": 64 | 256, ...}: the sampler's decode step time (every row runs to the
-      limit) against the HBM roofline: (weights + live KV cache bytes read per step) / bandwidth,
-      with the vendor's bandwidth where the chip is known, else the measured copy bandwidth;
+  {"bench": "decode", "model", "path", "batch", ...}: the sampler's decode step time (every row runs to the
+      limit) at Qwen3-0.6B and Qwen3-1.7B shapes, batch 64 and 256, 512 new tokens after 256 and the last 512
+      of 4096 (DECODE_SHAPES), on each cache path (decode_paths: dense; the paged pool as the backend reads it;
+      on GPU the pool gathered too), against the HBM roofline: (weights + live KV read + new KV written per
+      step) / bandwidth, the vendor's bandwidth where the chip is known, else the measured copy bandwidth.
+      A shape whose cache exceeds 70% of the device's memory runs paged under a KV budget (kv_budget_gb,
+      preemptions);
+  {"bench": "decode_hf", ...}: transformers' generate (torch, static cache, greedy) on the same shapes and
+      device: its decode step time and `speedup_vs_hf` (its step time over the sampler's, on the path
+      rollout.paged_kv=auto takes there: `vs_path`);
   {"bench": "update", "policy": "shared" | "isolated", ...}: the jitted GRPO update (3 roles, LoRA r64
       on every linear layer, rows of 256 prompt + 512 completion tokens, per-role diagnostics on):
       step time and MFU = (forward + input-gradient FLOPs: all a LoRA step must compute, the frozen
@@ -62,7 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--attention_lengths", default="4096,16384,32768",
                    help="row lengths of the attention timings (dense and blockwise only up to 16384)")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--decode_batches", default="", help="decode batch sizes (default 64,256; 8,16 with --small)")
+    p.add_argument("--decode_batches", default="", help="only these decode batch sizes (default: every shape)")
+    p.add_argument("--decode_models", default="", help="decode models (default Qwen/Qwen3-0.6B,Qwen/Qwen3-1.7B)")
+    p.add_argument("--skip_hf", action="store_true", help="decode: no transformers generate beside the sampler")
     p.add_argument("--e2e_steps", type=int, default=2, help="training steps of the end-to-end part (the first compiles)")
     return p.parse_args(argv)
 
@@ -136,18 +145,44 @@ def device_info(small: bool, reps: int):
     _, t_cp, _ = timed(lambda: cp(x), reps + 2)
     kind = dev.device_kind
     spec = next((v for k, v in KNOWN.items() if k.lower() in kind.lower()), None)
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     return {"bench": "device", "backend": jax.default_backend(), "device_kind": kind, "devices": jax.device_count(),
+            "hbm_bytes": (stats or {}).get("bytes_limit"),
             "matmul_bf16_flops": 2 * n ** 3 / t_mm, "copy_bytes_per_s": 2 * 2 * m / t_cp,
             "spec_hbm_bytes_per_s": spec[0] if spec else None, "spec_bf16_flops": spec[1] if spec else None}
 
 
-def bench_decode(cfg, params, batch, prompt_len, new_tokens, dev, reps):
+# (batch, prompt, new tokens) of the decode part. 4096 new tokens: the prompt holds the first 3584 of them
+# (prefilled), the timed decode is the completion's last 512 steps, where the cache is longest (what the roofline
+# fraction at 4096 new tokens is about), in an eighth of the device time. At batch 256 that context (4608 slots
+# x 112 KiB for Qwen3-0.6B / 1.7B) is 132 GB: it runs paged under a KV budget, rows preempted when it runs dry.
+DECODE_SHAPES = ((64, 256, 512), (256, 256, 512), (64, 512 + 3584, 512), (256, 512 + 3584, 512))
+DECODE_MODELS = ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B")
+
+
+def decode_paths(backend: str) -> tuple[str, ...]:
+    """The sampler's decode paths worth timing on a backend: the cache rollout.paged_kv=auto picks first."""
+    return {"tpu": ("paged", "dense"), "gpu": ("dense", "paged", "paged_gather")}.get(backend, ("dense", "paged"))
+
+
+def bench_decode(cfg, params, batch, prompt_len, new_tokens, dev, reps, path="dense", model="", kv_budget_gb=0.0):
+    """The sampler's decode at one shape on one path: "dense" (the dense cache), "paged" (the pool, read as the
+    backend's paged path reads it: the Pallas kernel on TPU, paged_fused on GPU, the gathered blocks on CPU),
+    "paged_gather" (the pool, its blocks gathered then attended: model.attention=dense). Every row runs to
+    the limit (no stop ids). Step time over the decode seconds of the best of `reps` calls after a first one.
+    Roofline: (weights + the live KV each step reads on average + the new KV) / bandwidth."""
+    import dataclasses as dc
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from marl_jax.generate.sampler import Sampler, SamplingParams, length_bucket
-    sampler = Sampler(cfg, dtype=jnp.bfloat16, max_batch=batch, compaction=False, share_prefix=False)
+    from marl_jax.generate.sampler import Sampler, SamplingParams
+    if path == "paged_gather":
+        cfg = dc.replace(cfg, attention="dense")
+    sampler = Sampler(cfg, dtype=jnp.bfloat16, max_batch=batch, compaction=False, share_prefix=False,
+                      paged=path != "dense", kv_dtype=jnp.bfloat16, prefix_cache_tokens=0,
+                      kv_budget_bytes=int(kv_budget_gb * 2 ** 30))
     rng = np.random.RandomState(0)
     prompts = [rng.randint(100, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)  # no stop ids: every row runs to the limit
@@ -167,21 +202,55 @@ def bench_decode(cfg, params, batch, prompt_len, new_tokens, dev, reps):
             best = s
     steps = best["decode_steps"]
     step_s = best["decode_s"] / steps
-    P, Tn = length_bucket(prompt_len), length_bucket(new_tokens)
-    e = 2
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
-    kv_per_token = 2 * cfg.num_layers * cfg.kv_dim * e
-    # Live cache per step, averaged over the decode: the prompt and half the new tokens. (The sampler
-    # reads attention windows of a quarter, a half, then all of the new-token slots, so it reads a
-    # little more than this; the roofline is the least any decoder must read.)
-    live_kv = batch * (prompt_len + new_tokens / 2) * kv_per_token
+    kv_per_token = 2 * cfg.num_layers * cfg.kv_dim * 2
+    # Live cache per step, averaged over the decode: the prompt and half the new tokens, read once; and one new
+    # slot written per row.
+    live_kv = batch * (prompt_len + new_tokens / 2 + 1) * kv_per_token
     bw = dev["spec_hbm_bytes_per_s"] or dev["copy_bytes_per_s"]
     roofline_s = (weight_bytes + live_kv) / bw
-    return {"bench": "decode", "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens, "steps": steps,
-            "step_s": step_s, "tokens_per_s": batch / step_s, "weight_bytes": weight_bytes, "live_kv_bytes": live_kv,
-            "roofline_step_s": roofline_s, "roofline_fraction": roofline_s / step_s,
+    return {"bench": "decode", "model": model, "path": path, "batch": batch, "prompt": prompt_len,
+            "new_tokens": new_tokens, "steps": steps, "step_s": step_s, "tokens_per_s": batch / step_s,
+            "weight_bytes": weight_bytes, "live_kv_bytes": live_kv, "roofline_step_s": roofline_s,
+            "roofline_fraction": roofline_s / step_s, "kv_budget_gb": kv_budget_gb,
+            "preemptions": best.get("preemptions", 0),
             "bandwidth_used": "spec" if dev["spec_hbm_bytes_per_s"] else "measured_copy",
-            "cache_slots": P + Tn, "prefill_s": best["prefill_s"], "first_call_s": first}
+            "prefill_s": best["prefill_s"], "first_call_s": first}
+
+
+def bench_decode_hf(cfg, batch, prompt_len, new_tokens, reps, model=""):
+    """transformers' generate on the same shapes and device, random weights of the same shapes in bfloat16, a
+    static KV cache, greedy, every row to the limit: decode step time = (time for new_tokens - time for 1) /
+    (new_tokens - 1), so its prefill is left out as the sampler's is."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from marl_jax.models.decoder import config_to_hf
+    hf = {k: v for k, v in config_to_hf(cfg).items() if k not in ("architectures", "torch_dtype")}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    conf = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16).to(device).eval()
+    ids = torch.randint(100, cfg.vocab_size, (batch, prompt_len), device=device)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        with torch.no_grad():
+            t = time.perf_counter()
+            m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       cache_implementation="static", pad_token_id=0, eos_token_id=None)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t
+
+    gen(2)  # warm-up (allocations, kernels)
+    one = min(gen(1) for _ in range(max(reps, 1)))
+    full = min(gen(new_tokens) for _ in range(max(reps, 1)))
+    del m
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"bench": "decode_hf", "model": model, "batch": batch, "prompt": prompt_len, "new_tokens": new_tokens,
+            "step_s": (full - one) / (new_tokens - 1), "device": device, "static_cache": True}
 
 
 @dataclasses.dataclass
@@ -364,6 +433,62 @@ def bench_e2e(cfg, params, small: bool, reps: int):
             "steps_s": [r["step_s"] for r in recs], "steps_compile_s": [r["compile_s"] for r in recs]}
 
 
+def run_decode(args, dev):
+    """Every model x shape x path of the decode part, transformers' generate beside it (speedup_vs_hf: its step
+    time over the sampler's at the same shape, on the path rollout.paged_kv=auto picks on this backend)."""
+    import jax
+    import jax.numpy as jnp
+
+    from marl_jax.generate.buckets import paged_by_default
+    from marl_jax.models import decoder
+    backend = jax.default_backend()
+    if args.small:
+        models = [("small", model_cfg(True))]
+        shapes = [(8, 16, 16), (16, 16, 16)]
+    else:
+        from marl_jax.plan import PRESET_MODELS
+        models = [(m, PRESET_MODELS[m]) for m in (args.decode_models.split(",") if args.decode_models else DECODE_MODELS)]
+        shapes = DECODE_SHAPES
+    if args.decode_batches:
+        shapes = [s for s in shapes if s[0] in {int(b) for b in args.decode_batches.split(",")}]
+    hbm = float(dev.get("hbm_bytes") or 0)
+    default = "paged" if paged_by_default(backend) else "dense"
+    for name, cfg in models:
+        params = jax.jit(lambda k: decoder.init_params(cfg, k, jnp.bfloat16))(jax.random.PRNGKey(0))
+        weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+        for batch, prompt, new in shapes:
+            kv = batch * (prompt + new) * 2 * cfg.num_layers * cfg.kv_dim * 2
+            budget = 0.0
+            if hbm and kv > 0.7 * hbm - weights:  # does not fit: the pool of a KV budget that does
+                budget = (0.7 * hbm - weights) / 2 ** 30
+            ours = {}
+            for path in decode_paths(backend):
+                if budget and path == "dense":
+                    continue
+                try:
+                    rec = bench_decode(cfg, params, batch, prompt, new, dev, args.reps, path, name, budget)
+                except Exception as e:  # e.g. out of memory: reported, the others still run
+                    rec = {"bench": "decode", "model": name, "path": path, "batch": batch, "prompt": prompt,
+                           "new_tokens": new, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                ours[path] = rec
+                yield rec
+            if args.skip_hf:
+                continue
+            try:
+                hf = bench_decode_hf(cfg, batch, prompt, new, 1, name)
+            except Exception as e:  # transformers or torch missing, or out of memory
+                yield {"bench": "decode_hf", "model": name, "batch": batch, "prompt": prompt, "new_tokens": new,
+                       "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            mine = ours.get(default) if "step_s" in ours.get(default, {}) else next(
+                (r for r in ours.values() if "step_s" in r), None)
+            if mine is not None:
+                hf["speedup_vs_hf"] = hf["step_s"] / mine["step_s"]
+                hf["vs_path"] = mine["path"]
+            yield hf
+        del params
+
+
 def main(argv=None):
     args = parse_args(argv)
     import jax
@@ -383,10 +508,8 @@ def main(argv=None):
             emit(rec, args.out)
     params = jax.jit(lambda k: decoder.init_params(cfg, k, jnp.bfloat16))(jax.random.PRNGKey(0))
     if "decode" in parts:
-        batches = [int(b) for b in args.decode_batches.split(",") if b] or ([8, 16] if small else [64, 256])
-        for batch in batches:
-            emit(bench_decode(cfg, params, batch, 16 if small else 256, 16 if small else 512, dev, args.reps),
-                 args.out)
+        for rec in run_decode(args, dev):
+            emit(rec, args.out)
     if "update" in parts:
         for rec in bench_update(cfg, params, 2 if small else 16, 16 if small else 256, 32 if small else 512,
                                 8 if small else 64, 2 if small else 8, dev, args.reps):

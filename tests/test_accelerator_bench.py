@@ -28,11 +28,15 @@ def test_accelerator_benchmark_small(tmp_path):
     assert set(timed_) == {"dense", "blockwise"} and all(r["tokens"] == 512 for r in timed_.values())
     assert timed_["blockwise"]["temp_gib"] < timed_["dense"]["temp_gib"]  # no [T, T] scores
     dec = by["decode"]
-    assert [r["batch"] for r in dec] == [8, 16]
+    assert [(r["batch"], r["path"]) for r in dec] == [(8, "dense"), (8, "paged"), (16, "dense"), (16, "paged")]
     for r in dec:
         assert r["steps"] == r["new_tokens"] - 1  # no stop ids: every row decodes to its limit
         assert 0 < r["roofline_step_s"] and 0 < r["roofline_fraction"]
         assert r["roofline_fraction"] == r["roofline_step_s"] / r["step_s"]
+    hf = by["decode_hf"]  # transformers' generate on the same shapes, beside the sampler's default path
+    assert [r["batch"] for r in hf] == [8, 16]
+    for r in hf:
+        assert r["step_s"] > 0 and r["vs_path"] == "dense" and r["speedup_vs_hf"] > 0
     upd = {r["policy"]: r for r in by["update"]}
     assert set(upd) == {"shared", "isolated"} and upd["isolated"]["slots"] == 3
     for r in upd.values():
