@@ -26,7 +26,8 @@ from marl_jax.models.tiny import tiny_model  # noqa: E402
 from marl_jax.train.loop import Trainer  # noqa: E402
 
 c = learning_config("isolated", prompt_dir)
-c.train.update(steps=2, val_every=2, ckpt_every=2, plots=False, tensorboard=False)
+# With the warm-up: its compiles must run in the same order on both processes (Trainer.warmup)
+c.train.update(steps=2, val_every=2, ckpt_every=2, plots=False, tensorboard=False, warmup=True)
 Trainer(c, workdir, model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(220), progress=False).run()
 print(json.dumps({"process": jax.process_index(), "devices": len(jax.devices()),
                   "local_devices": len(jax.local_devices())}), flush=True)

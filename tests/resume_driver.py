@@ -20,7 +20,7 @@ from marl_jax.train.loop import Trainer  # noqa: E402
 def main(workdir: str, prompt_dir: str, policy: str, steps: int, levers: str = ""):
     enable_compilation_cache()
     c = learning_config(policy, prompt_dir)
-    c.train.update(steps=steps, val_every=2, ckpt_every=2)
+    c.train.update(steps=steps, val_every=2, ckpt_every=2, warmup=False)  # not about compiling
     c.grpo.diagnostics_every = 1
     for kv in filter(None, levers.split(",")):  # e.g. "damping=0.3,damping_window=4"
         k, v = kv.split("=")

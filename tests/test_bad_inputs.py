@@ -168,7 +168,7 @@ def _tiny_run_config(prompt_dir):
     c.num_tasks, c.rollout.group_size = 2, 2
     c.rollout.max_new_tokens.generator = c.rollout.max_new_tokens.aggregator = 2
     c.trainable.update(rank=4, alpha=8.0)
-    c.train.update(steps=1, val_every=1, ckpt_every=1, tensorboard=False, plots=False)
+    c.train.update(steps=1, val_every=1, ckpt_every=1, tensorboard=False, plots=False, warmup=False)
     return c
 
 

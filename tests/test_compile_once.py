@@ -33,7 +33,7 @@ def varied_config(prompt_dir):
     c.rollout.max_new_tokens.aggregator = 24
     c.task.update(size=60, val_size=4)
     c.grpo.update(micro_batch=8, diagnostics_every=2)  # both update programs (with and without diagnostics)
-    c.train.update(steps=STEPS, val_every=100, ckpt_every=100)
+    c.train.update(steps=STEPS, val_every=100, ckpt_every=100, warmup=True)
     return c
 
 

@@ -45,7 +45,10 @@ def learning_config(policy: str, prompt_dir: str):
     c.trainable.update(mode="full")
     c.optim.update(lr=1e-2, grad_clip=1.0, weight_decay=0.0)
     c.grpo.update(micro_batch=128, diagnostics_every=10)
-    c.train.update(steps=60, val_every=10, ckpt_every=60, val_temperature=0.0, tensorboard=False, plots=False)
+    # No warm-up (compiling every update shape first): these runs are not about compiling (test_compile_once
+    # and the multi-host driver turn it on)
+    c.train.update(steps=60, val_every=10, ckpt_every=60, val_temperature=0.0, tensorboard=False, plots=False,
+                   warmup=False)
     return c
 
 

@@ -300,7 +300,7 @@ def test_trainer_checkpoints_and_resumes_over_a_bfloat16_base(prompt_dir, tmp_pa
         c.model.param_dtype = "bfloat16"
         c.num_tasks, c.rollout.group_size = 2, 2
         c.task.update(size=20, val_size=2)
-        c.train.update(steps=steps, val_every=10, ckpt_every=1, tensorboard=False)
+        c.train.update(steps=steps, val_every=10, ckpt_every=1, tensorboard=False, warmup=False)
         return c
 
     model = tiny_model(tiny_tokenizer(), seed=1)

@@ -127,7 +127,7 @@ def test_gs_workdir_run_writes_records_to_the_uri_and_resumes_from_them(fake_gcs
         c.num_tasks, c.rollout.group_size = 4, 4
         c.task.update(size=40, val_size=4)
         c.grpo.update(micro_batch=32)
-        c.train.update(steps=steps, val_every=1, ckpt_every=1, tensorboard=True, plots=False)
+        c.train.update(steps=steps, val_every=1, ckpt_every=1, tensorboard=True, plots=False, warmup=False)
         t = loop.Trainer(c, uri, model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(44), progress=False)
         assert t.workdir.startswith(str(tmp_path / mirror)) and t.run_dir.uri == uri
         return t, t.run()

@@ -82,7 +82,7 @@ def test_restart_without_a_checkpoint_drops_the_dead_attempts_records(prompt_dir
     c = learning_config("shared", prompt_dir)
     c.num_tasks, c.rollout.group_size = 2, 2
     c.task.update(size=20, val_size=2)
-    c.train.update(steps=2, val_every=10, ckpt_every=10, tensorboard=False)
+    c.train.update(steps=2, val_every=10, ckpt_every=10, tensorboard=False, warmup=False)
     out = Trainer(c, str(workdir), model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(22),
                   progress=False).run()  # the end-of-run cliff check refused repeated steps before
     recs = read_metrics(workdir)

@@ -241,7 +241,7 @@ def test_the_trainer_takes_the_budget_from_the_config_and_the_same_first_step(pr
         c.num_tasks, c.rollout.group_size = 4, 4
         c.task.update(size=40, val_size=4)
         c.grpo.update(micro_batch=4, max_tokens_per_micro_batch=budget)
-        c.train.update(steps=1, val_every=10, ckpt_every=10)
+        c.train.update(steps=1, val_every=10, ckpt_every=10, warmup=False)
         t = Trainer(c, str(tmp_path / str(budget)), model=tiny_model(tiny_tokenizer(), seed=1),
                     tasks=digit_tasks(44), progress=False)
         assert t.ucfg.max_tokens_per_micro_batch == budget

@@ -365,7 +365,7 @@ def test_the_trainer_logs_each_roles_gap_and_float32_has_none(temperature, promp
     c.rollout.temperature = temperature
     c.task.update(size=40, val_size=4)
     c.grpo.entropy_coef = 1e-3  # keeps rows of advantage 0 in the batch: a tiny random model rarely scores
-    c.train.update(steps=1, val_every=10, ckpt_every=10)
+    c.train.update(steps=1, val_every=10, ckpt_every=10, warmup=False)
     t = Trainer(c, str(tmp_path), model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(44), progress=False)
     rec = t.train_step(0)
     for role in ("generator", "aggregator"):

@@ -431,7 +431,7 @@ def test_trainer_with_packing_takes_the_same_first_step(prompt_dir, tmp_path):
         c.num_tasks, c.rollout.group_size = 4, 4
         c.task.update(size=40, val_size=4)
         c.grpo.update(micro_batch=4, packing=packing, share_prefix=share)
-        c.train.update(steps=1, val_every=10, ckpt_every=10)
+        c.train.update(steps=1, val_every=10, ckpt_every=10, warmup=False)
         t = Trainer(c, str(tmp_path / f"{packing}-{share}"), model=tiny_model(tiny_tokenizer(), seed=1),
                     tasks=digit_tasks(44), progress=False)
         assert (t.ucfg.packing, t.ucfg.share_prefix) == (packing, share)

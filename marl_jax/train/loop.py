@@ -254,7 +254,9 @@ class Trainer:
         it took (warmup_s, warmup_programs, warmup_compile_s: logged with the process's first train step)."""
         t0, before = time.perf_counter(), compiles.snapshot()
         T, W = self.lengths
-        workers = max(1, min(4, os.cpu_count() or 1))
+        # With several processes, one at a time: compiles from threads (finishing in any order on each process)
+        # broke the two-process CPU run's gloo collectives (tests/test_multihost.py).
+        workers = max(1, min(4, os.cpu_count() or 1)) if jax.process_count() == 1 else 1
         with compiles.part("update"):
             for fn in dict.fromkeys((self.step_fn, self.plain_step_fn)):
                 fn.warmup(self.state, self.rt.base, T, W, workers=workers)
