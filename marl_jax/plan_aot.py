@@ -87,7 +87,7 @@ def update_item(cfg: ModelConfig, *, rows: int, T: int, W: int, mesh, rules=None
                 remat: str = "full", dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, metrics: bool = True) -> Program:
     """One update work item: rows x T tokens of one slot, W scored positions; its loss terms and gradient."""
     from marl_jax.policy.lora import PolicySpec, init_trainable
-    from marl_jax.rl.update import UpdateConfig, _row_terms
+    from marl_jax.rl.update import UpdateConfig, row_terms
 
     spec = PolicySpec(mode=mode, rank=rank, alpha=32.0, num_slots=1)
     ucfg = UpdateConfig(micro_batch=rows, remat=remat, dtype=dtype, metrics=metrics)
@@ -105,7 +105,7 @@ def update_item(cfg: ModelConfig, *, rows: int, T: int, W: int, mesh, rules=None
     cot = _rows(sd((rows,), jnp.float32), mesh, rules)
 
     def item(mine, base, r, cot):
-        terms = lambda tr: _row_terms(cfg, spec, ucfg, base, tr, r, mesh, rules, norm_len=W, remat=remat)
+        terms = lambda tr: row_terms(cfg, spec, ucfg, base, tr, r, mesh, rules, norm_len=W, remat=remat)
         nums, vjp, aux = jax.vjp(terms, mine, has_aux=True)
         (g,) = vjp(cot.astype(nums.dtype))
         return jnp.sum(nums), g

@@ -283,7 +283,7 @@ def test_scoring_never_materialises_an_items_full_logits(monkeypatch):
     one = jax.tree_util.tree_map(lambda x: x[0], tr)
 
     def step(lora):
-        nums, vjp, aux = jax.vjp(lambda x: U._row_terms(cfg, spec, ucfg, base, x, r), lora, has_aux=True)
+        nums, vjp, aux = jax.vjp(lambda x: U.row_terms(cfg, spec, ucfg, base, x, r), lora, has_aux=True)
         return vjp(jnp.ones_like(nums)), aux
 
     shapes = []

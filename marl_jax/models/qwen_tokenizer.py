@@ -16,7 +16,7 @@ import pathlib
 from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as _Backend
 
-from marl_jax.models.tokenizer import Tokenizer, _bytes_to_unicode, _byte_level_pipeline
+from marl_jax.models.tokenizer import Tokenizer, bytes_to_unicode, byte_level_pipeline
 
 # (package, file inside it) that carry the ranks; located as package data, never imported.
 _TIKTOKEN_SOURCES = (("dashscope", "resources/qwen.tiktoken"), ("qwen_agent", "utils/qwen.tiktoken"))
@@ -163,7 +163,7 @@ def tiktoken_to_bpe(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple
     tiktoken merges the adjacent pair whose concatenation has the lowest rank. Listing, for every token,
     each split into two tokens, ordered by the merged token's rank, reproduces that order as BPE merges.
     """
-    spell = _bytes_to_unicode()
+    spell = bytes_to_unicode()
 
     def s(b: bytes) -> str:
         return "".join(spell[x] for x in b)
@@ -186,7 +186,7 @@ def qwen3_tokenizer(tiktoken_path: str | os.PathLike | None = None) -> Tokenizer
         raise ValueError(f"Expected Qwen's {QWEN_BPE_SIZE} contiguous BPE ranks; this file holds {len(ranks)}.")
     vocab, merges = tiktoken_to_bpe(ranks)
     backend = _Backend(models.BPE(vocab, merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False))
-    _byte_level_pipeline(backend, "qwen2")
+    byte_level_pipeline(backend, "qwen2")
     for i, (text, special) in enumerate(QWEN3_ADDED_TOKENS):
         token = AddedToken(text, special=special, normalized=False)
         backend.add_special_tokens([token]) if special else backend.add_tokens([token])

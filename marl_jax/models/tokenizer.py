@@ -49,7 +49,7 @@ _QWEN2_KINDS = ("qwen2", "deepseek-r1-qwen", "megrez")
 _TT_NORMAL, _TT_CONTROL, _TT_USER_DEFINED = 1, 3, 4
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what byte-level BPE vocabularies are spelled in)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -62,7 +62,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def _byte_level_pipeline(backend: _Backend, pre: str | None, add_prefix_space: bool = False) -> None:
+def byte_level_pipeline(backend: _Backend, pre: str | None, add_prefix_space: bool = False) -> None:
     """Set normalizer/pre-tokenizer/decoder of a byte-level BPE for llama.cpp pre-tokenizer kind `pre`."""
     if pre in _QWEN2_KINDS or pre in _LLAMA3_KINDS:
         backend.normalizer = normalizers.NFC() if pre in _QWEN2_KINDS else None
@@ -290,7 +290,7 @@ class Tokenizer:
             raise ValueError(f"{os.fspath(path)!r} has no tokenizer.ggml.tokens; it carries no tokenizer.")
         types: list[int] = field("tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens)
         merges: list[str] = field("tokenizer.ggml.merges") or []
-        spelling = _bytes_to_unicode()
+        spelling = bytes_to_unicode()
         alphabet = set(spelling.values())
         # Tokens are stored in the byte alphabet; a few files store raw text: respell those as transformers does.
         vocab = {
@@ -303,7 +303,7 @@ class Tokenizer:
         if pre not in (None, "gpt2", "default", *_DIGITS_THEN_GPT2, *_LLAMA3_KINDS, *_QWEN2_KINDS):
             warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known here; splitting text as GPT-2 does, which may "
                           "differ from the model's own tokenizer. Prefer Tokenizer.from_hf_dir for this model.")
-        _byte_level_pipeline(backend, pre, add_prefix_space=bool(field("tokenizer.ggml.add_space_prefix", False)))
+        byte_level_pipeline(backend, pre, add_prefix_space=bool(field("tokenizer.ggml.add_space_prefix", False)))
         # Control tokens (<|im_end|> ...) are matched whole and skipped on decode; user-defined ones
         # (<think> ...) are matched whole but kept. Control tokens outside the byte alphabet are mislabels.
         special = [AddedToken(t, special=True, normalized=False)
@@ -408,7 +408,7 @@ def _infer_gguf_pre(backend: _Backend) -> str:
     target = _split_spec(backend)
     for kind in ("gpt2", "smollm", "qwen2", "llama-bpe"):
         probe = _Backend(models.BPE({}, []))
-        _byte_level_pipeline(probe, kind)
+        byte_level_pipeline(probe, kind)
         if _split_spec(probe) == target:
             return kind
     raise ValueError("This tokenizer's pre-tokenizer matches no known llama.cpp kind; pass gguf_fields(pre=...).")

@@ -336,7 +336,6 @@ def row_terms(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, base, one_
                         None if entropy is None else jax.lax.stop_gradient(entropy), ref)
 
 
-_row_terms = row_terms  # the name marl_jax.plan_aot imports
 
 
 def role_stats(ucfg: UpdateConfig, aux: RowAux, rows: ItemRows, group_role, num_roles: int):

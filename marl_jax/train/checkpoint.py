@@ -142,11 +142,11 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, say); the checkpoints before it are intact."""
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+def flat_config(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, Mapping):
         out = {}
         for k, v in d.items():
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_config(v, f"{prefix}{k}."))
         return out if out or not prefix else {prefix[:-1]: {}}
     return {prefix[:-1]: list(d) if isinstance(d, tuple) else d}
 
@@ -157,7 +157,7 @@ def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any],
 
     Both are plain dicts (config.to_dict()); tuples and lists compare equal, as JSON cannot tell them apart.
     """
-    a, b = _flat(json.loads(json.dumps(saved))), _flat(json.loads(json.dumps(now)))
+    a, b = flat_config(json.loads(json.dumps(saved))), flat_config(json.loads(json.dumps(now)))
     absent = "<absent>"
     return [(k, a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
             if k not in ignore and (k not in a or k not in b or a[k] != b[k])]

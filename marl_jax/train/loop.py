@@ -364,8 +364,8 @@ def check_resume_config(workdir: str, config, allow_change: bool = False,
     changes = config_changes(saved, _jsonable(config.to_dict()))
     # A key the checkpoint's code did not have, set to its default now, is that code's behaviour: no change.
     from marl_jax.config import base_config
-    from marl_jax.train.checkpoint import _flat
-    defaults = _flat(json.loads(json.dumps(_jsonable(
+    from marl_jax.train.checkpoint import flat_config
+    defaults = flat_config(json.loads(json.dumps(_jsonable(
         base_config(config.workflow, tuple(config.grpo.kl_coef.keys())).to_dict()))))
     changes = [(k, a, b) for k, a, b in changes if not (a == "<absent>" and k in defaults and defaults[k] == b)]
     if changes and not allow_change:
