@@ -68,8 +68,11 @@ def base_config(workflow: str, roles: tuple[str, ...]) -> ml_collections.ConfigD
         # compute (they are read back in model.dtype), and TPU paged decode's kernel needs a bfloat16 pool
         kv_dtype="auto",
         # Compaction of finished rows moves through 2 batch sizes per octave; a tail still decoding after
-        # compaction_patience steps is fitted to compaction_buckets sizes per octave (marl_jax.generate.sampler)
-        compaction_buckets=16, compaction_patience=64,
+        # compaction_patience steps is fitted to compaction_buckets sizes per octave (marl_jax.generate.sampler).
+        # Each size is a decode program to compile (train.warmup compiles them all before the first step): 2
+        # (the coarse grid only) computes ~10% more row-steps on a long tail than 16 and compiles a fifth as many
+        # (docs/sampler.md#compiled-shapes)
+        compaction_buckets=2, compaction_patience=64,
         # Prompts are prefilled in chunks of at most prefill_chunk tokens against the cache: prefill memory
         # grows linearly with the prompt, not quadratically; same completions (marl_jax.generate.prefill)
         prefill_chunk=2048,

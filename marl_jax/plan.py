@@ -165,6 +165,7 @@ class Stage:
     distinct: int  # distinct prompts (identical prompts are prefilled once)
     prompt: int  # tokens, worst case
     new: int  # max new tokens
+    name: str = ""  # the workflow's stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +208,7 @@ def workload(config, prompt_tokens: int = 512) -> Workload:
         rows = n_ep * st.max_calls
         # The first stage's G episodes (and parallel calls) share one prompt; later prompts differ.
         distinct = config.num_tasks if not out else rows
-        out.append(Stage(st.role, rows, distinct, prompt_tokens + earlier, new))
+        out.append(Stage(st.role, rows, distinct, prompt_tokens + earlier, new, st.name))
         earlier += st.max_calls * new
     copies = {}
     if config.grpo.copy_alignment:
@@ -215,6 +216,37 @@ def workload(config, prompt_tokens: int = 512) -> Workload:
         copies = parallel_copies(wf)
     groups = sum(copies.get(r, 1) for r in wf.roles) if config.grpo.diagnostics else 0
     return Workload(tuple(out), tuple(wf.roles), mapping, max(mapping.values()) + 1, groups, config.rollout.max_batch)
+
+
+def call_shapes(config) -> dict[str, tuple[str, Any]]:
+    """Each stage's sampler call as the run's compiled shapes size it (generate.types.CallShape: its rows,
+    distinct prompts and longest prompt at the config's rollout.prompt_tokens), with its role: stage -> (role,
+    shape). The sampler pads a call up to it and Sampler.warmup compiles its programs before the first step."""
+    from marl_jax.generate.types import CallShape
+
+    w = workload(config, int(config.rollout.get("prompt_tokens", 512)))
+    return {s.name: (s.role, CallShape(s.rows, s.distinct, s.prompt)) for s in w.stages}
+
+
+def sampler_shapes(config) -> list[dict[str, Any]]:
+    """Per stage, the sampler's compiled shapes at its CallShape (what Sampler.warmup compiles on a dense cache):
+    the prompt region P, the new-token bucket, the first batch and every batch size compaction reaches, and the
+    attention windows, from the sampler's own rules (generate.buckets, its scheduler's config)."""
+    from marl_jax.generate import buckets
+    from marl_jax.generate.sampler import Sampler
+    from marl_jax.generate.scheduler import SchedulerConfig
+
+    r = config.rollout
+    sc = SchedulerConfig(max_batch=int(r.max_batch), per_octave=int(r.compaction_buckets))
+    out = []
+    for stage, (role, shape) in call_shapes(config).items():
+        P, Tn = Sampler.prompt_region(shape), buckets.length_bucket(int(r.max_new_tokens.get(role, 256)))
+        B = sc.first_batch(shape.rows)
+        out.append({"stage": stage, "role": role, "prompt_slots": P, "new_slots": Tn, "batch": B,
+                    "distinct": buckets.batch_bucket(min(shape.distinct, B)),
+                    "batch_sizes": buckets.compaction_sizes(B, sc.min_batch, 1, sc.per_octave),
+                    "windows": list(buckets.decode_windows(P, Tn))})
+    return out
 
 
 def update_lengths(config) -> tuple[int, int]:
@@ -851,6 +883,7 @@ def plan(config, chip_spec: str, prompt_tokens: int | None = None, search_chips:
         # the update's programs, from the config's lengths (rollout.prompt_tokens, not --prompt_tokens)
         "update_lengths": update_lengths(config), "update_shapes": [
             {"rows": k.rows, "shape": type(k.shape).__name__, **k.shape._asdict()} for k in update_shapes(config, knobs)],
+        "sampler_shapes": sampler_shapes(config),
         "fewest_chips": fewest,
         "time": roofline(cfg, config, w, knobs, chip),
     }
@@ -908,6 +941,12 @@ def format_plan(p: dict[str, Any]) -> str:
                 for d in p["update_shapes"]]
         lines += [f"update item programs ({len(keys)}, compiled before step 1; rows of {T} tokens, {W} scored, at "
                   f"rollout.prompt_tokens): " + format_shapes(keys), ""]
+    for st in p.get("sampler_shapes") or ():
+        lines.append(f"sampler programs, {st['stage']} ({st['role']}): prompt {st['prompt_slots']} + {st['new_slots']} "
+                     f"new slots, {st['distinct']} distinct of {st['batch']} rows, decode at batch "
+                     f"{'/'.join(map(str, st['batch_sizes']))} x windows {'/'.join(map(str, st['windows']))}")
+    if p.get("sampler_shapes"):
+        lines.append("")
     lines.append(t_line("as configured", p["time"]))
     if f:
         lines.append(t_line("with the knobs", f["time"]))

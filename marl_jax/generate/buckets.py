@@ -37,9 +37,30 @@ def next_smaller_bucket(B: int, minimum: int = 1, multiple: int = 1, per_octave:
     return smaller[-1] if smaller else 0
 
 
+def compaction_sizes(B: int, minimum: int = 1, multiple: int = 1, per_octave: int = 2) -> list[int]:
+    """Every batch size compaction can move a batch of B rows to (the batch buckets of `per_octave` sizes per
+    octave, and the coarse grid's, from `minimum` up to B), largest first: the decode batch sizes a call
+    starting at B can run."""
+    sizes = {B}
+    for grid in {min(2, per_octave), per_octave}:
+        sizes |= {c for c in range(max(minimum, 1), B) if batch_bucket(c, minimum, multiple, grid) == c}
+    return sorted(sizes, reverse=True)
+
+
+def compaction_moves(B: int, minimum: int = 1, multiple: int = 1, per_octave: int = 2) -> list[tuple[int, int]]:
+    """The (from, to) batch sizes of every compaction a call starting at B can run: compaction steps down its
+    grid (the coarse one, or the fine one after its patience) one size at a time."""
+    return sorted({(b, c) for b in compaction_sizes(B, minimum, multiple, per_octave)
+                   for grid in {min(2, per_octave), per_octave}
+                   if (c := next_smaller_bucket(b, minimum, multiple, grid))}, reverse=True)
+
+
 def resume_slots(g: int) -> int:
     """Cache slots after the prompt that a preempted row's re-prefill covers: its g - 1 tokens, bucketed."""
     return length_bucket(max(g - 1, 1))
+
+
+STORE_CHUNK = 512  # prefix-cache slots one store program writes: one program whatever a harvest stores
 
 
 def decode_windows(P: int, Tn: int) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ from marl_jax.generate.prefill import PREFILL_CHUNK
 from marl_jax.generate.prefix_cache import PrefixCache
 from marl_jax.generate.programs import ProgramConfig, Programs
 from marl_jax.generate.scheduler import Scheduler, SchedulerConfig, View
-from marl_jax.generate.types import DecodeState, SampleOutput, SamplingParams  # noqa: F401 (re-exported)
+from marl_jax.generate.types import CallShape, DecodeState, SampleOutput, SamplingParams  # noqa: F401 (re-exported)
 from marl_jax.models import attention as attn
 from marl_jax.models import decoder, sharding
 from marl_jax.models.decoder import ModelConfig
@@ -124,6 +124,9 @@ class Sampler:
         self.stats: dict[str, Any] = {}
         self.prefix_cache = (PrefixCache(cfg, -(-prefix_cache_tokens // prefix_block), prefix_block, self.kv_dtype)
                              if prefix_cache_tokens > 0 else None)
+        # Under a CallShape, the shared prefix each (slot, shape) was first prefilled with: later calls
+        # share it or none, so their prefill is one of two programs, not one per prefix length.
+        self.prefix_lens: dict[tuple, int] = {}
 
     @property
     def prefill_chunk(self) -> int:
@@ -141,8 +144,11 @@ class Sampler:
         return self.paged and attn.choose(self.cfg.attention, 1, 1, dtype=self.kv_dtype, pool=True) == "paged"
 
     def generate(self, params, prompts: Sequence[Sequence[int]], key: jax.Array, sp: SamplingParams, *,
-                 max_new_tokens: Sequence[int] | None = None, trainable=None, slot: int = 0) -> SampleOutput:
-        """Sample one completion per prompt. `max_new_tokens` optionally limits rows individually."""
+                 max_new_tokens: Sequence[int] | None = None, trainable=None, slot: int = 0,
+                 shape: CallShape | None = None) -> SampleOutput:
+        """Sample one completion per prompt. `max_new_tokens` optionally limits rows individually. `shape`: the
+        rows, distinct prompts and prompt length the call's programs are sized for (padding up to them), so
+        that calls of a run share the programs Sampler.warmup compiled; None: sized by this call's prompts."""
         n = len(prompts)
         if n == 0:
             z = np.zeros((0, sp.max_new_tokens))
@@ -170,13 +176,14 @@ class Sampler:
         for start in range(0, n, chunk):
             idx = order[start:start + chunk]
             self._generate_chunk(params, [prompts[i] for i in idx], idx, key, sp, limits[idx], trainable, slot, out,
-                                 prompts)
+                                 prompts, shape)
         self.stats["useful_row_steps"] = int(np.maximum(out.lengths - 1, 0).sum())
         return out
 
-    def layout(self, prompts, slot_id: int) -> PromptLayout:
+    def layout(self, prompts, slot_id: int, shape: CallShape | None = None) -> PromptLayout:
         """The prompt layout of a call: its distinct prompts' cached blocks (the cached region C) or the prefix
-        they share, and the rest S."""
+        they share, and the rest S; under a CallShape the region P is at least its prompt length, bucketed, and
+        the shared prefix the one its first call had (or none)."""
         uniq = list(dict.fromkeys(tuple(p) for p in prompts))
         # Prompts extending an earlier call's sequences load those keys and values from the prefix cache.
         pc = self.prefix_cache
@@ -193,17 +200,32 @@ class Sampler:
             hits, cached = {}, {}
             if self.share_prefix:
                 C = buckets.shared_prefix_len(uniq)
+                if shape is not None:
+                    C = self._fixed_prefix((slot_id, shape), C)
                 cached, prefix = {p: C for p in uniq}, uniq[0][:C]
         # The prompt region P as a whole is a length bucket (not C + a bucket): P sets the shapes of the
         # decode programs (the cache window P + Tn), so a step whose prompts share a longer prefix reuses them.
-        S = length_bucket(C + max(len(p) - cached.get(p, 0) for p in uniq)) - C
-        return PromptLayout(hits, cached, C, S, tuple(prefix))
+        P = length_bucket(C + max(len(p) - cached.get(p, 0) for p in uniq))
+        if shape is not None:
+            P = max(P, self.prompt_region(shape))
+        return PromptLayout(hits, cached, C, P - C, tuple(prefix))
 
-    def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out, all_prompts):
+    @staticmethod
+    def prompt_region(shape: CallShape) -> int:
+        """The prompt slots P of a call sized by `shape`."""
+        return length_bucket(max(shape.prompt, 1))
+
+    def _fixed_prefix(self, key: tuple, C: int) -> int:
+        """The shared prefix a call under a CallShape prefills: the first call's (remembered per slot and shape,
+        that is per stage) when these prompts share it, else none."""
+        first = self.prefix_lens.setdefault(key, C)
+        return first if C >= first else 0
+
+    def _generate_chunk(self, params, prompts, row_ids, key, sp, limits, trainable, slot, out, all_prompts, shape):
         Tn = length_bucket(sp.max_new_tokens)
-        lay = self.layout(prompts, int(slot))
+        lay = self.layout(prompts, int(slot), shape)
         sc = self.scheduling
-        B = sc.first_batch(len(prompts))
+        B = sc.first_batch(max(len(prompts), shape.rows if shape else 0))
         pool = None
         if self.paged:
             D, blk = self.data_size, self.kv_block
@@ -219,15 +241,60 @@ class Sampler:
             if self.kv_budget_bytes:
                 self._refuse_oversized(prompts, limits, pool)
         keys = [tuple(p) for p in prompts]
-        sched = Scheduler(sc, [(k, len(k)) for k in keys], pool, [lay.cached.get(k, 0) for k in keys])
+        sched = Scheduler(sc, [(k, len(k)) for k in keys], pool, [lay.cached.get(k, 0) for k in keys], batch=B)
         rows = DeviceRows(self, params, trainable, int(slot), lay, sp, Tn, prompts, row_ids, limits, key, out, pool,
-                          B, all_prompts)
+                          B, all_prompts, shape.distinct if shape else 0)
         t0 = time.perf_counter()
         sched.run(rows)
         for k, v in sched.stats.items():
             if k in self.stats:
                 self.stats[k] += v
         self.stats["decode_s"] += time.perf_counter() - t0 - rows.admit_s
+
+    def warmup(self, params, sp: SamplingParams, shape: CallShape, *, trainable=None, slot: int = 0,
+               key: jax.Array | None = None, workers: int = 1) -> int:
+        """Compile, without running, the programs a call sized by `shape` runs: its prefill (with no shared
+        prefix; the first call compiles the one with its prefix), the decode loop at every batch size compaction
+        can reach (buckets.compaction_sizes) and every attention window, the compactions between those sizes and
+        the prefix-cache store from each. Returns the programs compiled. Covers the dense cache on one device (a
+        paged pool's size follows its rows; a mesh's arguments carry shardings): elsewhere it compiles nothing
+        and the run compiles as it goes. Calls beyond the shape (more rows than rollout.max_batch, which refill;
+        longer prompts; prefix-cache hits) compile what they need when met."""
+        import concurrent.futures
+
+        if self.paged or self.mesh is not None:
+            return 0
+        key = jax.random.PRNGKey(0) if key is None else key
+        sc, Tn, P = self.scheduling, length_bucket(sp.max_new_tokens), self.prompt_region(shape)
+        B = sc.first_batch(shape.rows)
+        Bu = buckets.batch_bucket(min(shape.distinct, B), 1, self.data_size)
+        i32 = lambda *shape_: to_device(np.zeros(shape_, np.int32))
+        slot_ = jnp.int32(slot)
+        prefill = self.programs.prefill(sp, P + Tn, Tn)
+        args = (params, trainable, slot_, i32(0), i32(Bu, P), to_device(np.ones((Bu, P), bool)), i32(Bu), i32(B),
+                i32(B), i32(B), key, None, None)
+        state = jax.eval_shape(prefill, *args)
+        gather = self.programs.gather()
+        sizes = buckets.compaction_sizes(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else [B]
+        states = {b: state if b == B else jax.eval_shape(gather, state, i32(b), to_device(np.ones(b, bool)))
+                  for b in sizes}
+        jobs = [lambda: prefill.lower(*args).compile()]
+        moves = buckets.compaction_moves(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else []
+        jobs += [lambda b=b, c=c: gather.lower(states[b], i32(c), to_device(np.ones(c, bool))).compile()
+                 for b, c in moves]
+        for b in sizes:
+            for w in buckets.decode_windows(P, Tn):
+                fn = self.programs.decode(sp, P, w)
+                jobs.append(lambda fn=fn, b=b: fn.lower(params, trainable, slot_, states[b], key, jnp.int32(0),
+                                                        jnp.int32(0)).compile())
+            if self.prefix_cache is not None:
+                pc, m = self.prefix_cache, buckets.STORE_CHUNK
+                pc.ensure()
+                jobs.append(lambda b=b: self.programs.store().lower(pc.k, pc.v, states[b].cache, i32(m), i32(m),
+                                                                    i32(m)).compile())
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as ex:
+            list(ex.map(lambda job: job(), jobs))
+        return len(jobs)
 
     def _refuse_oversized(self, prompts, limits, pool: BlockPool):
         """A row whose prompt and completion need more blocks than the budget's pool holds would never run:
@@ -251,8 +318,9 @@ class DeviceRows:
 
     def __init__(self, sampler: Sampler, params, trainable, slot: int, layout: PromptLayout, sp: SamplingParams,
                  Tn: int, prompts, row_ids, limits, key, out: SampleOutput, pool: BlockPool | None, B: int,
-                 all_prompts):
+                 all_prompts, distinct: int = 0):
         self.s, self.params, self.trainable, self.slot = sampler, params, trainable, slot
+        self.distinct = distinct  # the first prefill's distinct prompts are padded to this many (CallShape)
         self.lay, self.sp, self.Tn, self.prompts, self.row_ids, self.limits = layout, sp, Tn, prompts, row_ids, limits
         self.key, self.out, self.pool, self.B, self.all_prompts = key, out, pool, B, all_prompts
         self.programs = sampler.programs
@@ -368,8 +436,10 @@ class DeviceRows:
         expand = np.zeros(B, np.int32)
         for i, p in enumerate(prompts):  # identical prompts (the G episodes of a task) are prefilled once
             expand[i] = uniq.setdefault(tuple(p), len(uniq))
-        # The distinct prompts at their own bucketed count (not min_batch: one long prompt is one row).
-        Bu = buckets.batch_bucket(len(uniq), 1, s.data_size)
+        # The distinct prompts at their own bucketed count (not min_batch: one long prompt is one row); the
+        # first fill at the CallShape's count at least.
+        first = not self.placed
+        Bu = buckets.batch_bucket(max(len(uniq), min(self.distinct, B) if first else 0), 1, s.data_size)
         C, S, cached, hits, pc = lay.C, lay.S, lay.cached, lay.hits, s.prefix_cache
         tokens = np.full((Bu, S), s.pad_id, np.int32)
         valid = np.zeros((Bu, S), bool)
@@ -539,10 +609,11 @@ class DeviceRows:
                 dst += (block * pc.block + np.arange(pc.block)).tolist()
         if not dst:
             return
-        m = length_bucket(len(dst), 256)
-        pad = m - len(dst)
         pc.ensure()
-        idx = [to_device(np.asarray(a + [f] * pad, np.int32)) for a, f in
-               ((src_row, 0), (src_slot, 0), (dst, pc.num_blocks * pc.block))]
-        pc.k, pc.v = self.programs.store()(pc.k, pc.v, self.state.cache, *idx)
+        m = buckets.STORE_CHUNK  # one program whatever the count: chunks of m slots, the last padded
+        for a in range(0, len(dst), m):
+            pad = m - len(dst[a:a + m])
+            idx = [to_device(np.asarray(x[a:a + m] + [f] * pad, np.int32)) for x, f in
+                   ((src_row, 0), (src_slot, 0), (dst, pc.num_blocks * pc.block))]
+            pc.k, pc.v = self.programs.store()(pc.k, pc.v, self.state.cache, *idx)
         self.stats["stored_tokens"] += len(dst)

@@ -89,8 +89,10 @@ class Scheduler:
     found in the prefix cache, not prefilled. `pool`: the paged pool's bookkeeping, or None (dense)."""
 
     def __init__(self, config: SchedulerConfig, prompts: Sequence[tuple], pool: BlockPool | None = None,
-                 cached: Sequence[int] | None = None):
+                 cached: Sequence[int] | None = None, batch: int = 0):
         self.config, self.prompts, self.pool = config, list(prompts), pool
+        # The first batch: sized for the call's rows, or for more (a config's fixed shapes: buckets.CallShape)
+        self.batch = config.first_batch(max(len(prompts), batch))
         self.cached = list(cached) if cached is not None else [0] * len(prompts)
         self.queue = collections.deque(range(len(prompts)))  # rows not started, preempted ones in front
         self.generated: dict[int, int] = {}  # row -> tokens it had when preempted, until it resumes
@@ -105,7 +107,7 @@ class Scheduler:
     def run(self, rows: Rows):
         """The decision loop: decode, harvest, refill, compact, preempt, until every row has finished."""
         c = self.config
-        B = c.first_batch(len(self.prompts))
+        B = self.batch
         self.sizes.add(B)
         self.refill(rows, np.arange(B))
         stuck = None  # paged over several shards: live rows that could not be compacted (one shard too full)
@@ -169,11 +171,20 @@ class Scheduler:
                     continue
                 stuck = None
             else:
+                # Down the grid one size at a time (live rows first, then fillers): each size has one or two
+                # successors, so the compactions a call can run are a short list (Sampler.warmup compiles it)
                 newB = buckets.batch_bucket(live, c.min_batch, c.shards, grid)
-                fill = np.flatnonzero(~v.active)[: newB - live]
+                b = buckets.next_smaller_bucket(B, c.min_batch, c.shards, grid)
+                fill = np.flatnonzero(~v.active)[: b - live]
                 idx = np.concatenate([np.flatnonzero(v.active), fill]).astype(np.int32)
-                keep = np.arange(newB) < live
-            rows.compact(idx, keep)
+                rows.compact(idx, np.arange(b) < live)
+                while b > newB:
+                    self.sizes.add(b)
+                    b = buckets.next_smaller_bucket(b, c.min_batch, c.shards, grid)
+                    idx = np.arange(b, dtype=np.int32)
+                    rows.compact(idx, idx < live)
+            if self.pool is not None and self.pool.shards > 1:
+                rows.compact(idx, keep)
             self.sizes.add(len(idx))
             self.stats["compactions"] += 1
             self.stats["fine_compactions"] += int(fine)

@@ -28,6 +28,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
 
 
+class CallShape(NamedTuple):
+    """What a call's compiled shapes are sized for, from the config (marl_jax.plan.workload's stage): at most
+    `rows` rows, `distinct` distinct prompts, prompts of at most `prompt` tokens. A call within it runs programs
+    from one fixed set (Sampler.warmup compiles it); a call beyond it still runs, compiling what it needs."""
+    rows: int
+    distinct: int
+    prompt: int
+
+
 class SampleOutput(NamedTuple):
     tokens: np.ndarray  # [N, max_new_tokens] int32, pad_id after each row's length
     logprobs: np.ndarray  # [N, max_new_tokens] float32, 0 after each row's length

@@ -171,8 +171,10 @@ class Trainer:
             self.state = self.state._replace(grad_ema=rt.place(levers_lib.init_ema(self.state.trainable,
                                                                                    len(rt.roles))))
         # One T and W for every batch: the update's programs then come from one set (rl.layout.update_shapes)
-        from marl_jax.plan import update_lengths
+        from marl_jax.plan import call_shapes, update_lengths
         self.lengths = update_lengths(config)
+        # And each stage's sampler call (plan.call_shapes): stage -> (role, generate.types.CallShape)
+        self.call_shapes = call_shapes(config)
         self.data = task_batches(rt.train_tasks, batch_size=config.num_tasks, seed=config.train.seed)
         self.monitor = CliffMonitor(drop=config.train.cliff_drop, patience=config.train.cliff_patience)
         self.ckpt = Checkpointer(self.run_dir.uri, keep=config.train.keep_ckpts)
@@ -211,14 +213,19 @@ class Trainer:
             self.writer.flush()
             self.run_dir.push()
 
+    def rollout_sampler(self, key) -> PolicySampler:
+        """The training rollouts' sampler: the config's sampling settings, each stage's call at its CallShape."""
+        rt, c = self.rt, self.c
+        return PolicySampler(rt.sampler, rt.base, self.state.trainable, key, temperature=c.rollout.temperature,
+                             top_p=c.rollout.top_p, top_k=c.rollout.top_k, stop_ids=tuple(rt.tokenizer.eos_token_ids),
+                             shapes={st: shape for st, (_, shape) in self.call_shapes.items()})
+
     def train_step(self, step: int) -> dict[str, Any]:
         rt, c = self.rt, self.c
         t0 = time.perf_counter()
         compiled_before = compiles.snapshot()
         tasks = next(self.data)
-        sample = PolicySampler(rt.sampler, rt.base, self.state.trainable, jax.random.fold_in(self.key, step + 1),
-                               temperature=c.rollout.temperature, top_p=c.rollout.top_p, top_k=c.rollout.top_k,
-                               stop_ids=tuple(rt.tokenizer.eos_token_ids))
+        sample = self.rollout_sampler(jax.random.fold_in(self.key, step + 1))
         res = run_episodes(rt.workflow, tasks, c.rollout.group_size, sample, rt.tokenizer,
                            role_to_slot=rt.role_to_slot, credit=c.rollout.credit, grade_fn=rt.grade_fn,
                            max_new_tokens=rt.max_new_tokens(), group_by_call_index=rt.group_by_call_index())
@@ -250,8 +257,9 @@ class Trainer:
         return rec
 
     def warmup(self) -> dict[str, Any]:
-        """Compile every update program the config allows (rl.update's step.warmup) before the first step; what
-        it took (warmup_s, warmup_programs, warmup_compile_s: logged with the process's first train step)."""
+        """Compile every update program the config allows (rl.update's step.warmup) and the rollouts' sampler
+        programs (Sampler.warmup at each stage's CallShape) before the first step; what it took (warmup_s,
+        warmup_programs, warmup_compile_s: logged with the process's first train step)."""
         t0, before = time.perf_counter(), compiles.snapshot()
         T, W = self.lengths
         # With several processes, one at a time: compiles from threads (finishing in any order on each process)
@@ -260,6 +268,9 @@ class Trainer:
         with compiles.part("update"):
             for fn in dict.fromkeys((self.step_fn, self.plain_step_fn)):
                 fn.warmup(self.state, self.rt.base, T, W, workers=workers)
+        if jax.process_count() == 1:
+            self.rollout_sampler(self.key).warmup({st: role for st, (role, _) in self.call_shapes.items()},
+                                                  self.rt.role_to_slot, self.rt.max_new_tokens(), workers=workers)
         d = compiles.since(before)["all"]
         return {"warmup_s": time.perf_counter() - t0, "warmup_programs": d.programs, "warmup_compile_s": d.seconds}
 
