@@ -170,6 +170,7 @@ class Scheduler:
                     stuck = live
                     continue
                 stuck = None
+                rows.compact(idx, keep)
             else:
                 # Down the grid one size at a time (live rows first, then fillers): each size has one or two
                 # successors, so the compactions a call can run are a short list (Sampler.warmup compiles it)
@@ -183,8 +184,6 @@ class Scheduler:
                     b = buckets.next_smaller_bucket(b, c.min_batch, c.shards, grid)
                     idx = np.arange(b, dtype=np.int32)
                     rows.compact(idx, idx < live)
-            if self.pool is not None and self.pool.shards > 1:
-                rows.compact(idx, keep)
             self.sizes.add(len(idx))
             self.stats["compactions"] += 1
             self.stats["fine_compactions"] += int(fine)
