@@ -230,8 +230,8 @@ def call_shapes(config) -> dict[str, tuple[str, Any]]:
 
 def sampler_shapes(config) -> list[dict[str, Any]]:
     """Per stage, the sampler's compiled shapes at its CallShape (what Sampler.warmup compiles on a dense cache):
-    the prompt region P, the new-token bucket, the first batch and every batch size compaction reaches, and the
-    attention windows, from the sampler's own rules (generate.buckets, its scheduler's config)."""
+    the prompt region P, the new-token bucket, the first batch and every batch size compaction reaches, the
+    attention windows and the cached regions of prefills loading prefix-cache hits, from the sampler's own rules (generate.buckets, its scheduler's config)."""
     from marl_jax.generate import buckets
     from marl_jax.generate.sampler import Sampler
     from marl_jax.generate.scheduler import SchedulerConfig
@@ -245,7 +245,8 @@ def sampler_shapes(config) -> list[dict[str, Any]]:
         out.append({"stage": stage, "role": role, "prompt_slots": P, "new_slots": Tn, "batch": B,
                     "distinct": buckets.batch_bucket(min(shape.distinct, B)),
                     "batch_sizes": buckets.compaction_sizes(B, sc.min_batch, 1, sc.per_octave),
-                    "windows": list(buckets.decode_windows(P, Tn))})
+                    "windows": list(buckets.decode_windows(P, Tn)),
+                    "cached_regions": list(buckets.cached_regions(P, buckets.PREFIX_BLOCK))})
     return out
 
 
@@ -944,7 +945,8 @@ def format_plan(p: dict[str, Any]) -> str:
     for st in p.get("sampler_shapes") or ():
         lines.append(f"sampler programs, {st['stage']} ({st['role']}): prompt {st['prompt_slots']} + {st['new_slots']} "
                      f"new slots, {st['distinct']} distinct of {st['batch']} rows, decode at batch "
-                     f"{'/'.join(map(str, st['batch_sizes']))} x windows {'/'.join(map(str, st['windows']))}")
+                     f"{'/'.join(map(str, st['batch_sizes']))} x windows {'/'.join(map(str, st['windows']))}, "
+                     f"prefix-cache hits prefilled at cached regions {'/'.join(map(str, st['cached_regions']))}")
     if p.get("sampler_shapes"):
         lines.append("")
     lines.append(t_line("as configured", p["time"]))

@@ -2,11 +2,11 @@
 
 The trainer records the seconds XLA spends compiling in every step's record (`compile_s`, from jax's compile
 events; marl_jax.train.compiles). The update's item shapes come from a set fixed by the config
-(rl.layout.update_shapes at plan.update_lengths), compiled before step 1 (train.warmup): a tiny random model
-whose completions stop anywhere between 1 and 24 tokens, and whose aggregator's prompts grow with the voters'
-outputs, compiles no update program in any step. The sampler's shapes still follow the prompts' length buckets
-and compaction's row buckets, so a step that meets a new prompt bucket compiles its sampler programs: that part
-is a strict xfail until the sampler's shapes come from a fixed set too.
+(rl.layout.update_shapes at plan.update_lengths) and the sampler's from each stage's CallShape
+(plan.call_shapes), both compiled before step 1 (train.warmup): a tiny random model whose completions stop
+anywhere between 1 and 24 tokens, and whose aggregator's prompts grow with the voters' outputs, compiles
+nothing after its first step. The scheduler's own loop, replayed over random lengths, meets no batch size or
+compaction outside the warm-up's set.
 """
 from __future__ import annotations
 

@@ -107,3 +107,51 @@ def test_block_trie_lru_by_hand(tiny):
     assert pc.lookup(0, A) == [] and len(pc.free) == 4
     with pytest.raises(ValueError, match="num_blocks"):
         PrefixCache(tiny[0], num_blocks=0)
+
+
+def test_hits_under_a_call_shape_run_warmed_programs_only(tiny, plain):
+    """Under a CallShape a call loading hits takes one of a fixed set of cached regions (hits past it are
+    prefilled again): after the warm-up, rounds whose hits grow compile nothing and sample what a sampler
+    without the cache samples."""
+    from marl_jax.generate import buckets
+    from marl_jax.generate.types import CallShape
+    from marl_jax.train import compiles
+
+    cfg, params, _ = tiny
+    sampler = Sampler(cfg, pad_id=PAD, share_prefix=False)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.8)
+    prompts = random_prompts(5, cfg.vocab_size, seed=4, lo=18, hi=40)
+    shape = CallShape(rows=5, distinct=5, prompt=40 + 3 * (16 + 3))  # the longest prompt of the last round
+    sampler.warmup(params, sp, shape)
+    key, rng = jax.random.PRNGKey(6), np.random.RandomState(1)
+    regions = buckets.cached_regions(sampler.prompt_region(shape), 16)
+    seen, compiled = [], 0
+    for r in range(4):
+        lay = sampler.layout(prompts, 0, shape)
+        seen.append(lay.C)
+        assert lay.C in (0, *regions) and lay.C + lay.S == sampler.prompt_region(shape)
+        k = jax.random.fold_in(key, r)
+        before = compiles.snapshot()
+        got = sampler.generate(params, prompts, k, sp, shape=shape)
+        compiled += compiles.since(before)["all"].programs
+        ref = plain.generate(params, prompts, k, sp)
+        np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=f"round {r}")
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+        prompts = [p + got.row(i)[0] + rng.randint(0, 50, 3).tolist() for i, p in enumerate(prompts)]
+    assert seen[0] == 0 and all(seen[1:]), seen  # every later round loads hits
+    assert compiled == 0
+
+
+def test_cached_regions_and_hit_region_by_hand():
+    from marl_jax.generate import buckets
+
+    assert buckets.cached_regions(128, 16) == (64, 96)
+    assert buckets.cached_regions(48, 16) == (16, 32)  # 24 and 36 rounded down to whole blocks
+    assert buckets.cached_regions(16, 16) == ()  # no whole block fits: hits load nothing
+    p = lambda n: [1] * n
+    # 100 tokens, 80 of them cached: C=96 leaves 32 slots for 100 - 80 = 20 tokens
+    assert buckets.hit_region([p(100)], [80], 128, 16) == 96
+    # a second prompt with 16 cached: 90 - 16 = 74 tokens need C <= 54: none of 64/96 (64 leaves 64 slots)
+    assert buckets.hit_region([p(100), p(90)], [80, 16], 128, 16) == 0
+    # with 32 cached: 58 tokens fit after C=64; the first prompt's hits are cut to 64 (36 tokens prefilled)
+    assert buckets.hit_region([p(100), p(90)], [80, 32], 128, 16) == 64

@@ -60,6 +60,7 @@ def resume_slots(g: int) -> int:
     return length_bucket(max(g - 1, 1))
 
 
+PREFIX_BLOCK = 16  # tokens per prefix-cache block (the Sampler's default)
 STORE_CHUNK = 512  # prefix-cache slots one store program writes: one program whatever a harvest stores
 
 
@@ -92,6 +93,22 @@ def shared_prefix_len(prompts: Sequence[Sequence[int]], minimum: int = 16) -> in
 
 
 # ---- the paged pool (counts per row shard; block 0 is each shard's null block) ----
+
+def cached_regions(P: int, block: int) -> tuple[int, ...]:
+    """The cached regions C (slots loaded from prefix-cache blocks) a prefill under a prompt region of P slots
+    may take: whole blocks at half and three quarters of P. A fixed set, so that its programs compile before
+    the first call; a call's hits beyond the C it takes are prefilled again."""
+    return tuple(sorted({P * q // 4 // block * block for q in (2, 3)} - {0}))
+
+
+def hit_region(prompts: Sequence[Sequence[int]], cached: Sequence[int], P: int, block: int) -> int:
+    """The largest of cached_regions(P, block) under which every prompt's tokens past its hits (cut at C) fit
+    in the P - C slots after it; 0 when none does (the call then loads no hits)."""
+    for C in reversed(cached_regions(P, block)):
+        if all(len(p) - min(h, C) <= P - C for p, h in zip(prompts, cached)):
+            return C
+    return 0
+
 
 def paged_by_default(backend: str) -> bool:
     """Which KV cache "auto" (rollout.paged_kv) means on a backend: the paged pool on TPU, where decode reads it

@@ -80,7 +80,7 @@ class Sampler:
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
-                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = 16, continuous: bool = True,
+                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = buckets.PREFIX_BLOCK, continuous: bool = True,
                  paged: bool | str = "auto", kv_block: int = 16, compaction_buckets: int = 16,
                  compaction_patience: int = 64, prefill_chunk: int = PREFILL_CHUNK, kv_budget_bytes: int = 0,
                  max_batched_tokens: int = 0, check_blocks: bool = False, kv_dtype=None):
@@ -188,15 +188,20 @@ class Sampler:
         # Prompts extending an earlier call's sequences load those keys and values from the prefix cache.
         pc = self.prefix_cache
         hits = {p: pc.lookup(slot_id, p) for p in uniq} if pc is not None else {}
+        C, prefix = 0, ()
+        if any(hits.values()):
+            if shape is None:
+                C = length_bucket(max(len(b) for b in hits.values()) * pc.block)
+            else:  # one of a fixed set of regions (the warm-up compiles them), hits cut to it
+                C = buckets.hit_region(uniq, [len(hits[p]) * pc.block for p in uniq], self.prompt_region(shape),
+                                       pc.block)
+                hits = {p: b[:C // pc.block] for p, b in hits.items()}
         if pc is not None:
             pc.pinned = {b for bs in hits.values() for b in bs}
-        cached = {p: len(b) * pc.block for p, b in hits.items()} if pc is not None else {}
+        cached = {p: len(b) * pc.block for p, b in hits.items()} if C else {}
         # Otherwise, a prefix all distinct prompts share (a role's system prompt and instructions) is
         # prefilled once per prefill.
-        C, prefix = 0, ()
-        if any(cached.values()):
-            C = length_bucket(max(cached.values()))
-        else:
+        if not C:
             hits, cached = {}, {}
             if self.share_prefix:
                 C = buckets.shared_prefix_len(uniq)
@@ -256,10 +261,11 @@ class Sampler:
         """Compile, without running, the programs a call sized by `shape` runs: its prefill (with no shared
         prefix; the first call compiles the one with its prefix), the decode loop at every batch size compaction
         can reach (buckets.compaction_sizes) and every attention window, the compactions between those sizes and
-        the prefix-cache store from each. Returns the programs compiled. Covers the dense cache on one device (a
+        the prefix-cache store from each, and the prefills loading prefix-cache hits (buckets.cached_regions).
+        Returns the programs compiled. Covers the dense cache on one device (a
         paged pool's size follows its rows; a mesh's arguments carry shardings): elsewhere it compiles nothing
         and the run compiles as it goes. Calls beyond the shape (more rows than rollout.max_batch, which refill;
-        longer prompts; prefix-cache hits) compile what they need when met."""
+        longer prompts) compile what they need when met."""
         import concurrent.futures
 
         if self.paged or self.mesh is not None:
@@ -279,6 +285,13 @@ class Sampler:
         states = {b: state if b == B else jax.eval_shape(gather, state, i32(b), to_device(np.ones(b, bool)))
                   for b in sizes}
         jobs = [lambda: prefill.lower(*args).compile()]
+        pc = self.prefix_cache
+        if pc is not None:  # prefills loading prefix-cache hits, at each cached region they may take
+            pc.ensure()
+            for C in buckets.cached_regions(P, pc.block):
+                hit = (params, trainable, slot_, i32(0), i32(Bu, P - C), to_device(np.ones((Bu, P - C), bool)),
+                       i32(Bu), i32(B), i32(B), i32(B), key, (pc.k, pc.v, i32(Bu, C)), None)
+                jobs.append(lambda hit=hit: prefill.lower(*hit).compile())
         moves = buckets.compaction_moves(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else []
         jobs += [lambda b=b, c=c: gather.lower(states[b], i32(c), to_device(np.ones(c, bool))).compile()
                  for b, c in moves]
@@ -287,9 +300,8 @@ class Sampler:
                 fn = self.programs.decode(sp, P, w)
                 jobs.append(lambda fn=fn, b=b: fn.lower(params, trainable, slot_, states[b], key, jnp.int32(0),
                                                         jnp.int32(0)).compile())
-            if self.prefix_cache is not None:
-                pc, m = self.prefix_cache, buckets.STORE_CHUNK
-                pc.ensure()
+            if pc is not None:
+                m = buckets.STORE_CHUNK
                 jobs.append(lambda b=b: self.programs.store().lower(pc.k, pc.v, states[b].cache, i32(m), i32(m),
                                                                     i32(m)).compile())
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as ex:
