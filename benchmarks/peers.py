@@ -25,8 +25,9 @@ the GRPOConfig / LoraConfig TRL ran with; what still differs (how each side samp
 printed as a list. Validation, checkpoints and evaluation are off on both sides.
 
 Steps alternate (a TRL step, then a marl_jax step, ...) so that changes in the load of a shared machine
-hit both alike; each step prints a progress line. Printed per side: the first step (marl_jax compiles its
-sampler and update programs there; no persistent compile cache unless --compile_cache) and the median of
+hit both alike; each step prints a progress line. marl_jax compiles its sampler's and update's programs
+before its first step, as launch/run.py does (train.warmup; the warm-up's seconds are printed; no persistent
+compile cache unless --compile_cache). Printed per side: the first step and the median of
 the later steps, each split into sampling (TRL: its _generate_and_score_completions, i.e. tokenization,
 generate, rewards and advantages; marl_jax: the rollout, rewards and batch) and update (the rest of the
 step), the generate call alone, generated tokens per step, marl_jax's JAX compile seconds per step (a
@@ -152,8 +153,6 @@ def marl_config(s: Settings):
     c.advantage.update(standardize=True, eps=s.adv_eps)
     c.grpo.update(clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, agg=s.agg,
                   entropy_coef=0.0, micro_batch=s.micro_batch,
-                  # TRL's old log-probs are the current policy's, detached (generation and update align): ratio 1
-                  old_logp="recompute",
                   # per-role gradient diagnostics have no TRL counterpart; token metrics (entropy, clip
                   # fraction) do: TRL computes and logs them every step
                   diagnostics=False, metrics=True)
@@ -240,8 +239,9 @@ def paired_settings(mc, tk, lk) -> list[tuple[str, Any, Any]]:
         ("entropy coefficient", mc.grpo.entropy_coef, g("entropy_coef")),
         ("advantage scaling", "group" if mc.advantage.standardize else "none", g("scale_rewards")),
         ("advantage eps", mc.advantage.eps, 1e-4),  # TRL: (r - mean) / (std + 1e-4), fixed
-        ("old log-probs", "current policy, detached" if mc.grpo.old_logp == "recompute" else "sampler's",
-         "current policy, detached" if aligned else "recomputed before the update"),
+        # Neither side runs a pass for the old policy's log-probs: marl_jax takes the sampler's (grpo.old_logp
+        # default), TRL the current policy's, detached, when generation and optimizer steps align.
+        ("a forward pass for old log-probs", mc.grpo.old_logp == "recompute", not aligned),
         ("updates per batch", 1, g("num_iterations")),
         ("rows per optimizer step", mc.num_tasks * mc.rollout.group_size,
          g("per_device_train_batch_size") * g("gradient_accumulation_steps")),
@@ -283,9 +283,12 @@ IMPLEMENTATION_DIFFERENCES = (
     "micro-batch membership: TRL shuffles the rows before splitting them; marl_jax orders them by length "
     "and, with a token budget, fills each item up to it (same loss: one optimizer step, seq-mean-token-mean "
     "over all rows)",
+    "old log-probs in the ratio: marl_jax the sampler's (grpo.old_logp=sampler, its default: the ratio is 1 up to "
+    "the float32 rounding of the sampler's and the trainer's programs); TRL the current policy's, detached (exactly "
+    "1)",
     "per-step extras: marl_jax grpo.metrics (entropy, clip fraction; diagnostics off); TRL logs entropy, clip "
     "ratios, reward and length statistics",
-    "execution: marl_jax compiles its programs at the first step (XLA, all cores); TRL runs eagerly (torch, "
+    "execution: marl_jax compiles its programs before the first step (XLA, all cores); TRL runs eagerly (torch, "
     "--threads threads)",
 )
 
@@ -405,6 +408,11 @@ class MarlSide:
         self.trainer.data = iter(batches)
         self.records: list[StepRecord] = []
         self.step_no = 0
+        # launch/run.py compiles the config's programs before step 1 (train.warmup, on by default): so here
+        warm = self.trainer.warmup() if self.trainer.c.train.warmup else {}
+        self.warmup_s, self.warmup_programs = warm.get("warmup_s", 0.0), warm.get("warmup_programs", 0)
+        print(f"marl_jax warm-up before step 1 (train.warmup, as launch/run.py): {self.warmup_s:.1f} s, "
+              f"{self.warmup_programs} programs", flush=True)
 
     @property
     def initial_lora(self):
@@ -751,7 +759,8 @@ def run_workload(args, s: Settings, m, hf_dir: str, peaks: list[float]) -> dict[
                 else:
                     print("marl_jax compiled in every later step: no warm figure (run more --steps)")
             print(f"speedup={sp:.2f} workload={s.workload} (TRL {tr['step_s']:.2f} s/step / marl_jax "
-                  f"{mj['step_s']:.2f} s/step; first steps {tr['first_s']:.1f} / {mj['first_s']:.1f} s)")
+                  f"{mj['step_s']:.2f} s/step; first steps {tr['first_s']:.1f} / {mj['first_s']:.1f} s; marl_jax's "
+                  f"warm-up before its first step {marl.warmup_s:.1f} s)")
     return out
 
 
