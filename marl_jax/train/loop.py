@@ -159,6 +159,7 @@ class Trainer:
                       group_role=[rt.roles.index(r) for r in self.groups.role], num_roles=len(rt.roles),
                       role_slot=[rt.role_to_slot[r] for r in rt.roles])
         tables.update(mesh=rt.mesh, rules=rt.rules)  # shardings of the update program, from the rules
+        self.tables = tables  # make_train_step's workflow tables (benchmarks build other updates from them)
         self.levers = lever_config(config, rt.roles, parallel_copies(rt.workflow))
         self.step_fn = make_train_step(rt.model.cfg, rt.spec, self.ucfg, self.tx, levers=self.levers, **tables)
         # Steps between diagnostics run the cheaper program (one backward pass instead of one per group).
