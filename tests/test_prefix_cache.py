@@ -155,3 +155,32 @@ def test_cached_regions_and_hit_region_by_hand():
     assert buckets.hit_region([p(100), p(90)], [80, 16], 128, 16) == 0
     # with 32 cached: 58 tokens fit after C=64; the first prompt's hits are cut to 64 (36 tokens prefilled)
     assert buckets.hit_region([p(100), p(90)], [80, 32], 128, 16) == 64
+
+
+def test_a_stage_s_first_call_sets_its_shared_prefix_even_when_it_finds_hits(tiny, plain):
+    """A validation call stores sequences the first training call then finds (same parameters): that first
+    call still prefills its shared prefix, so the program a later call without hits (new parameters) runs is
+    compiled in the first step, not in a later one."""
+    from marl_jax.generate.types import CallShape
+    from marl_jax.train import compiles
+
+    cfg, params, _ = tiny
+    params = jax.tree_util.tree_map(lambda x: x * 1.0, params)  # made as the update below makes its parameters
+    sampler = Sampler(cfg, pad_id=PAD)
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    rng = np.random.RandomState(2)
+    head = rng.randint(0, cfg.vocab_size, 40).tolist()  # a role's instructions: every prompt starts with them
+    prompts = lambda n: [head + rng.randint(0, cfg.vocab_size, rng.randint(4, 12)).tolist() for _ in range(n)]
+    shape = CallShape(rows=4, distinct=4, prompt=64)
+    sampler.warmup(params, sp, shape)
+    sampler.generate(params, prompts(6), jax.random.PRNGKey(0), sp, shape=CallShape(6, 6, 64))  # "validation"
+    first = prompts(4)
+    assert any(sampler.prefix_cache.lookup(0, p) for p in first)  # the first call would find hits
+    sampler.generate(params, first, jax.random.PRNGKey(1), sp, shape=shape)
+    assert sampler.stats["cached_tokens"] == 0 and sampler.prefix_lens[(0, shape)] == 32  # its shared prefix
+    new = jax.tree_util.tree_map(lambda x: x * 1.01, params)  # an update: the cache empties
+    later = prompts(4)
+    before = compiles.snapshot()
+    got = sampler.generate(new, later, jax.random.PRNGKey(2), sp, shape=shape)
+    assert compiles.since(before)["all"].programs == 0
+    np.testing.assert_array_equal(got.tokens, plain.generate(new, later, jax.random.PRNGKey(2), sp).tokens)

@@ -189,7 +189,10 @@ class Sampler:
         pc = self.prefix_cache
         hits = {p: pc.lookup(slot_id, p) for p in uniq} if pc is not None else {}
         C, prefix = 0, ()
-        if any(hits.values()):
+        # A stage's first call sets its shared prefix (below), so it loads no hits: else a first call finding
+        # hits (a validation call's, under the same parameters) would leave that prefill to a later step.
+        first_call = shape is not None and self.share_prefix and (slot_id, shape) not in self.prefix_lens
+        if any(hits.values()) and not first_call:
             if shape is None:
                 C = length_bucket(max(len(b) for b in hits.values()) * pc.block)
             else:  # one of a fixed set of regions (the warm-up compiles them), hits cut to it
