@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from common import matmul_peak
+from common import PeakRSS, matmul_peak
 
 # libgomp's default busy-waiting makes torch's 2 threads many times slower whenever another process
 # holds a core (measured here: 5x on a forward pass); passive waiting costs little on an idle one.
@@ -175,28 +175,17 @@ def step_flops(cfg, spec, body_tokens: float, ctx: float, head_tokens: float, pa
     return split if parts else sum(split.values())
 
 
-def packed_layouts(pb, mb: int, shapes):
-    """The attention layout of every live packed item, laid out by the update's own rl.update.pack_item."""
-    import numpy as np
-
+def packed_layouts(batch, plan):
+    """The attention layout of every packed item of `plan` (rl.layout.plan_items), laid out by the update's own
+    rl.update.item_rows and pack_item."""
     from marl_jax.models import attention as attn
-    from marl_jax.rl.update import pack_item
+    from marl_jax.rl.layout import Packed
+    from marl_jax.rl.update import item_rows, pack_item
 
-    length = np.asarray(pb.length)
-    S, R = length.shape
-    T = pb.tokens.shape[2]
     out = []
-    for s in range(S):
-        for m in range(R // mb):
-            rows = slice(m * mb, (m + 1) * mb)
-            if not length[s, rows].any():
-                continue
-            r = {"tokens": np.asarray(pb.tokens)[s, rows], "length": length[s, rows],
-                 "pack_seq": np.asarray(pb.pack_seq)[s, rows], "pack_off": np.asarray(pb.pack_off)[s, rows]}
-            if pb.pack_share is not None:
-                r.update(pack_pre=np.asarray(pb.pack_pre)[s, rows], pack_share=np.asarray(pb.pack_share)[s, rows])
-            p, t = shapes[int(np.asarray(pb.pack_shape)[s, m * mb])]
-            _, seg = pack_item(r, p, t, T)
+    for it in plan:
+        if isinstance(it.shape, Packed):
+            _, seg = pack_item(item_rows(batch, it, head_on_scored=True), it.shape.p, it.shape.t)
             out.append(attn.shared_prefix(seg[0], seg[1]) if isinstance(seg, tuple) else attn.packed(seg))
     return out
 
@@ -320,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     from marl_jax.policy.lora import PolicySpec
     from marl_jax.rl import optim
     from marl_jax.rl.batch import make_batch, make_groups
-    from marl_jax.rl.layout import item_windows, length_ladder, pack_batch, pack_shapes, plan_items
+    from marl_jax.rl.layout import item_windows, length_ladder, pack_batch, plan_items
     from marl_jax.rl.update import UpdateConfig, init_state, make_train_step
     from marl_jax.models import attention as attn
 
@@ -381,11 +370,12 @@ def main(argv: list[str] | None = None) -> None:
     jax_head = int((win > 0).sum()) * mbr * W
     packing_note = ""
     if args.packing:  # each item over (packed sequences x window) instead of (rows x window)
-        pb = pack_batch(batch, args.micro_batch, args.length_buckets, args.share_prefix, args.length_grid)
-        shp = pack_shapes(T, mbr, args.length_buckets, share=args.share_prefix > 0, grid=args.length_grid)
-        items = [shp[k] for k, live in zip(np.asarray(pb.pack_shape)[:, ::mbr].ravel(), (win > 0).ravel()) if live]
+        pb = pack_batch(batch, args.micro_batch, share_prefix=args.share_prefix, grid=args.length_grid)
+        plan = plan_items(pb, micro_batch=args.micro_batch, length_buckets=args.length_buckets,
+                          grid=args.length_grid, packing=True, share_prefix=args.share_prefix, by_group=False)
+        items = [tuple(it.shape) for it in plan]
         jax_pos = sum(p * t for p, t in items)
-        jax_pairs = sum(attn.scored_pairs(lay) for lay in packed_layouts(pb, mbr, shp))
+        jax_pairs = sum(attn.scored_pairs(lay) for lay in packed_layouts(pb, plan))
         packing_note = f"; packed (sequences x window) per micro-batch {items}"
     if args.max_tokens_per_micro_batch:  # the token budget's items replace the fixed micro-batches
         plan = plan_items(batch, micro_batch=args.micro_batch, length_buckets=args.length_buckets,
@@ -413,15 +403,19 @@ def main(argv: list[str] | None = None) -> None:
                   group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                   role_slot=[role_to_slot[r] for r in roles])
 
-    def jax_runner(ucfg):
+    # Each side's peak resident memory while its steps run (the other side's retained heap included: one process)
+    jax_rss, torch_rss = PeakRSS(), PeakRSS()
+
+    def jax_runner(ucfg, rss=None):
         """A fresh state and the step for ucfg; each call of the returned function is one timed step."""
         step = make_train_step(cfg, spec, ucfg, tx, **tables)
         box = [init_state(jax.tree_util.tree_map(jnp.array, trainable0), tx)]
 
         def run() -> tuple[float, float]:
             t = time.perf_counter()
-            box[0], met = step(box[0], base, batch)
-            loss = float(met["loss"])  # blocks until the step is done
+            with rss or PeakRSS():
+                box[0], met = step(box[0], base, batch)
+                loss = float(met["loss"])  # blocks until the step is done
             dt = time.perf_counter() - t
             if not bool(met["finite"]):
                 raise RuntimeError("marl_jax step produced a non-finite loss or gradient")
@@ -434,12 +428,13 @@ def main(argv: list[str] | None = None) -> None:
 
     def torch_run() -> tuple[float, float]:
         t = time.perf_counter()
-        loss = torch_step(model, opt, params, rows, list(advs), args.micro_batch, ucfg_off, den)
+        with torch_rss:
+            loss = torch_step(model, opt, params, rows, list(advs), args.micro_batch, ucfg_off, den)
         return loss, time.perf_counter() - t
 
     # Warm-ups (marl_jax compiles; PyTorch's first step is untimed too), then timed steps alternately,
     # so that changes in the machine's load hit both alike.
-    jax_step = jax_runner(ucfg_off)
+    jax_step = jax_runner(ucfg_off, jax_rss)
     jl, jwarm = jax_step()
     tl, twarm = torch_run()
     # With --packing, the unpacked step (token windows only) is timed in the same rounds as the reference.
@@ -479,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pytorch step ({args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"transformers {transformers.__version__}, torch {torch.__version__}): median {tmed:.2f}s over "
           f"{args.reps} ({fmt(ttimes)}); first step {twarm:.2f}s")
+    print(f"peak resident memory of the process while each side's steps ran: marl_jax {jax_rss.gb()}, pytorch "
+          f"{torch_rss.gb()} (one process: each includes what the other side's allocator retains)")
     print(f"tokens/s, completion tokens: marl_jax {comp / jmed:.1f}, pytorch {comp / tmed:.1f}")
     print(f"tokens/s, all real tokens (prompt + completion): marl_jax {total / jmed:.1f}, pytorch {total / tmed:.1f}"
           f" (marl_jax computes {jax_pos} positions per step, {jax_pos / jmed:.1f}/s)")

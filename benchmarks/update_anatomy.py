@@ -175,7 +175,7 @@ def main(argv=None) -> None:
                            micro_batch=ucfg.micro_batch, pad_id=tok.pad_id, agg=ucfg.agg,
                            width=args.completion_len)
         W = batch.targets.shape[2]
-        pb = (pack_batch(batch, ucfg.micro_batch, ucfg.share_prefix, ucfg.length_grid)
+        pb = (pack_batch(batch, ucfg.micro_batch, share_prefix=ucfg.share_prefix, grid=ucfg.length_grid)
               if ucfg.packing else batch)
         plan = plan_items(pb, micro_batch=ucfg.micro_batch, length_buckets=ucfg.length_buckets,
                           grid=ucfg.length_grid, packing=ucfg.packing, share_prefix=ucfg.share_prefix,
