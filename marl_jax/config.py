@@ -181,7 +181,10 @@ def cpu_default(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.rollout.group_size = 4
     for r in c.rollout.max_new_tokens:
         c.rollout.max_new_tokens[r] = 32
-    c.rollout.prompt_tokens = 96  # compact prompts of one-digit additions: orch_workers' orchestrator's is 70 tokens
+    # The first call's compact prompt: 39-41 tokens (single_agent, voting, eval_opt), 70-72 (orch_workers'
+    # orchestrator); later stages quote earlier outputs in longer templates: the slack of 96 holds them. The
+    # sampler pads every prompt to it and the update's rows are sized from it.
+    c.rollout.prompt_tokens = 48 if c.workflow == "single_agent" else 96
     c.trainable.update(rank=8, alpha=16.0)
     c.optim.update(lr=3e-4, grad_clip=1.0)  # 1e-3 collapsed to guessed one-line answers within 7 steps
     # Short sequences: keep the matmul activations (remat "dots") instead of recomputing whole layers. A
