@@ -231,7 +231,8 @@ def call_shapes(config) -> dict[str, tuple[str, Any]]:
 def sampler_shapes(config) -> list[dict[str, Any]]:
     """Per stage, the sampler's compiled shapes at its CallShape (what Sampler.warmup compiles on a dense cache):
     the prompt region P, the new-token bucket, the first batch and every batch size compaction reaches, the
-    attention windows and the cached regions of prefills loading prefix-cache hits, from the sampler's own rules (generate.buckets, its scheduler's config)."""
+    attention windows and the cached regions of prefills loading prefix-cache hits, from the sampler's own
+    rules (generate.buckets, its scheduler's config)."""
     from marl_jax.generate import buckets
     from marl_jax.generate.sampler import Sampler
     from marl_jax.generate.scheduler import SchedulerConfig

@@ -92,8 +92,6 @@ def shared_prefix_len(prompts: Sequence[Sequence[int]], minimum: int = 16) -> in
     return b
 
 
-# ---- the paged pool (counts per row shard; block 0 is each shard's null block) ----
-
 def cached_regions(P: int, block: int) -> tuple[int, ...]:
     """The cached regions C (slots loaded from prefix-cache blocks) a prefill under a prompt region of P slots
     may take: whole blocks at half and three quarters of P. A fixed set, so that its programs compile before
@@ -109,6 +107,8 @@ def hit_region(prompts: Sequence[Sequence[int]], cached: Sequence[int], P: int, 
             return C
     return 0
 
+
+# ---- the paged pool (counts per row shard; block 0 is each shard's null block) ----
 
 def paged_by_default(backend: str) -> bool:
     """Which KV cache "auto" (rollout.paged_kv) means on a backend: the paged pool on TPU, where decode reads it

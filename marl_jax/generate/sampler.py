@@ -80,8 +80,8 @@ class Sampler:
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, max_batch: int = 256, pad_id: int = 0,
                  spec=None, mesh=None, compaction: bool = True, min_batch: int = 8, share_prefix: bool = True,
-                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = buckets.PREFIX_BLOCK, continuous: bool = True,
-                 paged: bool | str = "auto", kv_block: int = 16, compaction_buckets: int = 16,
+                 rules=None, prefix_cache_tokens: int = 8192, prefix_block: int = buckets.PREFIX_BLOCK,
+                 continuous: bool = True, paged: bool | str = "auto", kv_block: int = 16, compaction_buckets: int = 16,
                  compaction_patience: int = 64, prefill_chunk: int = PREFILL_CHUNK, kv_budget_bytes: int = 0,
                  max_batched_tokens: int = 0, check_blocks: bool = False, kv_dtype=None):
         from marl_jax.policy.lora import PolicySpec
@@ -199,8 +199,6 @@ class Sampler:
                 C = buckets.hit_region(uniq, [len(hits[p]) * pc.block for p in uniq], self.prompt_region(shape),
                                        pc.block)
                 hits = {p: b[:C // pc.block] for p, b in hits.items()}
-        if pc is not None:
-            pc.pinned = {b for bs in hits.values() for b in bs}
         cached = {p: len(b) * pc.block for p, b in hits.items()} if C else {}
         # Otherwise, a prefix all distinct prompts share (a role's system prompt and instructions) is
         # prefilled once per prefill.
@@ -211,6 +209,8 @@ class Sampler:
                 if shape is not None:
                     C = self._fixed_prefix((slot_id, shape), C)
                 cached, prefix = {p: C for p in uniq}, uniq[0][:C]
+        if pc is not None:  # the blocks this call loads stay while it runs
+            pc.pinned = {b for bs in hits.values() for b in bs}
         # The prompt region P as a whole is a length bucket (not C + a bucket): P sets the shapes of the
         # decode programs (the cache window P + Tn), so a step whose prompts share a longer prefix reuses them.
         P = length_bucket(C + max(len(p) - cached.get(p, 0) for p in uniq))
