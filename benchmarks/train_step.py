@@ -2,8 +2,8 @@
 
     python benchmarks/train_step.py [--rows=8 --micro_batch=4 --prompt_len=100 --completion_len=128 --reps=3]
     python benchmarks/train_step.py --skew --rows=16      # uneven lengths, as RL rows are
-    python benchmarks/train_step.py --skew --rows=16 --packing   # ... with sequence packing: the unpacked
-                                                                  # step is timed too, packing_speedup=
+    python benchmarks/train_step.py --skew --rows=16 --packing --unpacked   # ... with sequence packing, and
+                                                  # the unpacked step timed in the same rounds: packing_speedup=
     python benchmarks/train_step.py --episodes=4 --packing --share_prefix=16   # GRPO groups: 4 rows per
                                                   # prompt, laid over one copy of it (grpo.share_prefix)
 
@@ -21,7 +21,8 @@ length_buckets=--length_buckets, length_grid=--length_grid, dtype=--dtype, unrol
 the step with diagnostics and metrics on (exact per-role gradients from group-aligned micro-batches) is
 reported after it. Each is timed
 after a warm-up call, whose time (compilation included) is reported separately.
-PyTorch: transformers' LlamaForCausalLM from the same weights (float32, --threads threads), plain-torch
+PyTorch, in a process of its own (so that each side's peak memory is its own, and its allocator too):
+transformers' LlamaForCausalLM from the same weights (float32, --threads threads), plain-torch
 LoRA on every decoder nn.Linear with marl_jax's initial A/B, the same loss (PPO clip 0.2/0.28, dual
 clip 3, seq-mean-token-mean), the same micro-batches (each padded to its own longest row, LM head on
 completion positions only), grad-norm clipping 1.0 and AdamW as marl_jax's optimizer (betas 0.9/0.999, eps 1e-8, decay 0.01).
@@ -38,11 +39,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+import types
 
 from common import PeakRSS, matmul_peak
 
@@ -90,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="marl_jax runs the layers as straight-line code, not a loop (grpo.unroll: ~2x compile)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="marl_jax base-model compute dtype (adapters, gradients, optimizer stay float32)")
+    p.add_argument("--unpacked", action="store_true",
+                   help="with --packing: also time marl_jax's step without packing, in the same rounds "
+                        "(packing_speedup=; its programs raise the process's peak memory)")
     p.add_argument("--max_tokens_per_micro_batch", type=int, default=0,
                    help="marl_jax micro-batches of as many rows as this many positions hold, not --micro_batch "
                         "rows (grpo.max_tokens_per_micro_batch; 0: off); PyTorch keeps --micro_batch rows")
@@ -102,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--episodes must be >= 1 and --share_prefix >= 0")
     if args.share_prefix and not args.packing:
         p.error("--share_prefix lays rows over shared prefixes in packed sequences: add --packing")
+    if args.unpacked and not args.packing:
+        p.error("--unpacked times the step without packing beside the packed one: add --packing")
     if not 1 <= args.roles <= len(ROLE_NAMES):
         p.error(f"--roles must be in 1..{len(ROLE_NAMES)}")
     return args
@@ -293,6 +302,79 @@ def torch_step(model, opt, params, rows, advs, mb: int, ucfg, den: float) -> flo
     return total
 
 
+def torch_worker(conn, path: str, cfg, spec, trainable, threads: int, mb: int) -> None:
+    """The PyTorch side, in its own process: answers ("logprobs", rows) with each row's completion log-probs
+    under the starting policy, ("setup", rows, advs, clip, den, lr) by building the optimizer, ("step",) with
+    (loss, seconds, peak resident bytes of the step) and ("stop",) by returning."""
+    import numpy as np
+    import torch
+
+    from common import PeakRSS
+
+    model, params = torch_lora_model(path, cfg, spec, trainable, threads)
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg[0] == "logprobs":
+            rows, out = msg[1], []
+            with torch.no_grad():
+                for s in range(0, len(rows), mb):
+                    chunk = rows[s:s + mb]
+                    logp, _ = torch_chunk_logprobs(model, chunk)
+                    out += [logp[j, :len(r.completion_tokens)].numpy().astype(np.float64) for j, r in enumerate(chunk)]
+            conn.send(out)
+        elif msg[0] == "setup":
+            rows, advs, clip, den, lr = msg[1:]
+            opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+            conn.send("ok")
+        elif msg[0] == "step":
+            t = time.perf_counter()
+            with PeakRSS() as rss:
+                loss = torch_step(model, opt, params, rows, advs, mb, clip, den)
+            conn.send((loss, time.perf_counter() - t, rss.peak))
+        else:
+            return
+
+
+class TorchSide:
+    """The PyTorch reference in a child process (multiprocessing's spawn: a fresh interpreter, no jax state)."""
+
+    def __init__(self, path: str, cfg, spec, trainable, threads: int, mb: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=torch_worker, args=(child, path, cfg, spec, trainable, threads, mb),
+                                daemon=True)
+        self.proc.start()
+        self.peak = 0
+        self._recv()  # "ready": the model is loaded (its directory may go)
+
+    def _recv(self):
+        if not self.conn.poll(3600):
+            raise RuntimeError("the PyTorch process gave no answer within an hour")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the PyTorch process ended (exit code {self.proc.exitcode}; out of memory?)") from None
+
+    def logprobs(self, rows):
+        self.conn.send(("logprobs", rows))
+        return self._recv()
+
+    def setup(self, rows, advs, clip, den: float, lr: float):
+        self.conn.send(("setup", rows, advs, clip, den, lr))
+        self._recv()
+
+    def step(self) -> tuple[float, float]:
+        self.conn.send(("step",))
+        loss, dt, peak = self._recv()
+        self.peak = max(self.peak, peak)
+        return loss, dt
+
+    def close(self):
+        self.conn.send(("stop",))
+        self.proc.join(60)
+
+
 # ---------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,8 +382,6 @@ def main(argv: list[str] | None = None) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import torch
-    import transformers
 
     from marl_jax.jax_setup import loaded_allocator
     from marl_jax.models import hf
@@ -323,20 +403,16 @@ def main(argv: list[str] | None = None) -> None:
     trainable0 = start_lora(spec, cfg, base, args.seed)
     with tempfile.TemporaryDirectory() as d:
         hf.save_hf_dir(d, cfg, m.params)
-        model, params = torch_lora_model(d, cfg, spec, trainable0, args.threads)
+        torch_side = TorchSide(d, cfg, spec, jax.tree_util.tree_map(np.asarray, trainable0), args.threads,
+                               args.micro_batch)
 
     # Old log-probs: the starting policy's own (PyTorch forward, no graph) plus noise, so that the
     # ratio is near 1 and some tokens clip, as a few steps after sampling.
     rows = synth_rows(args, cfg.vocab_size, set(tok.eos_token_ids) | {tok.pad_id})
     t = time.perf_counter()
     noise = np.random.RandomState(args.seed + 7)
-    with torch.no_grad():
-        for s in range(0, len(rows), args.micro_batch):
-            chunk = rows[s:s + args.micro_batch]
-            logp, _ = torch_chunk_logprobs(model, chunk)
-            for j, r in enumerate(chunk):
-                lp = logp[j, :len(r.completion_tokens)].numpy().astype(np.float64)
-                r.logprobs = [float(x) for x in lp + noise.normal(0.0, 0.1, lp.shape)]
+    for r, lp in zip(rows, torch_side.logprobs(rows)):
+        r.logprobs = [float(x) for x in lp + noise.normal(0.0, 0.1, lp.shape)]
     old_s = time.perf_counter() - t
     adv_rng = np.random.RandomState(args.seed + 3)
     advs = adv_rng.choice([-1.0, 1.0], args.rows) * adv_rng.uniform(0.2, 1.5, args.rows)
@@ -403,8 +479,8 @@ def main(argv: list[str] | None = None) -> None:
                   group_role=[roles.index(r) for r in groups.role], num_roles=len(roles),
                   role_slot=[role_to_slot[r] for r in roles])
 
-    # Each side's peak resident memory while its steps run (the other side's retained heap included: one process)
-    jax_rss, torch_rss = PeakRSS(), PeakRSS()
+    # marl_jax's peak resident memory while its timed steps run (PyTorch's is measured in its own process)
+    jax_rss = PeakRSS()
 
     def jax_runner(ucfg, rss=None):
         """A fresh state and the step for ucfg; each call of the returned function is one timed step."""
@@ -423,22 +499,17 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     # ---- PyTorch ----
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    den = float(np.asarray(batch.den)[0])
-
-    def torch_run() -> tuple[float, float]:
-        t = time.perf_counter()
-        with torch_rss:
-            loss = torch_step(model, opt, params, rows, list(advs), args.micro_batch, ucfg_off, den)
-        return loss, time.perf_counter() - t
+    clip = types.SimpleNamespace(clip_low=ucfg_off.clip_low, clip_high=ucfg_off.clip_high, dual_clip=ucfg_off.dual_clip)
+    torch_side.setup(rows, list(advs), clip, float(np.asarray(batch.den)[0]), args.lr)
+    torch_run = torch_side.step
 
     # Warm-ups (marl_jax compiles; PyTorch's first step is untimed too), then timed steps alternately,
     # so that changes in the machine's load hit both alike.
     jax_step = jax_runner(ucfg_off, jax_rss)
     jl, jwarm = jax_step()
     tl, twarm = torch_run()
-    # With --packing, the unpacked step (token windows only) is timed in the same rounds as the reference.
-    unpacked = jax_runner(dataclasses.replace(ucfg_off, packing=False, share_prefix=0)) if args.packing else None
+    # With --unpacked, the unpacked step (token windows only) is timed in the same rounds as the reference.
+    unpacked = jax_runner(dataclasses.replace(ucfg_off, packing=False, share_prefix=0)) if args.unpacked else None
     ul = unpacked()[0] if unpacked else None
     jlosses, tlosses, jtimes, ttimes, utimes = [jl], [tl], [], [], []
     for _ in range(args.reps):
@@ -451,6 +522,7 @@ def main(argv: list[str] | None = None) -> None:
         if unpacked:
             utimes.append(unpacked()[1])
     jmed, tmed = statistics.median(jtimes), statistics.median(ttimes)
+    torch_side.close()
 
     # executed: marl_jax's windows (attention: the scores its kernel computes per item); useful: real tokens,
     # causal context
@@ -471,11 +543,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"marl_jax step without packing (token windows only, {int(win.sum()) * mbr} positions): median "
               f"{umed:.2f}s over {args.reps} ({fmt(utimes)}); first-step loss {ul:.7f} (packed {jlosses[0]:.7f}); "
               f"packing_speedup={umed / jmed:.2f}")
+    version = importlib.metadata.version
     print(f"pytorch step ({args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-          f"transformers {transformers.__version__}, torch {torch.__version__}): median {tmed:.2f}s over "
+          f"transformers {version('transformers')}, torch {version('torch')}): median {tmed:.2f}s over "
           f"{args.reps} ({fmt(ttimes)}); first step {twarm:.2f}s")
-    print(f"peak resident memory of the process while each side's steps ran: marl_jax {jax_rss.gb()}, pytorch "
-          f"{torch_rss.gb()} (one process: each includes what the other side's allocator retains)")
+    print(f"peak resident memory while each side's steps ran (each in its own process): marl_jax {jax_rss.gb()}"
+          f"{' (the unpacked step included)' if unpacked else ''}, pytorch {torch_side.peak / 1e9:.1f} GB")
     print(f"tokens/s, completion tokens: marl_jax {comp / jmed:.1f}, pytorch {comp / tmed:.1f}")
     print(f"tokens/s, all real tokens (prompt + completion): marl_jax {total / jmed:.1f}, pytorch {total / tmed:.1f}"
           f" (marl_jax computes {jax_pos} positions per step, {jax_pos / jmed:.1f}/s)")

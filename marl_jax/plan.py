@@ -271,7 +271,8 @@ def update_shapes(config, knobs: "Knobs | None" = None) -> list:
     if knobs is not None:
         mb, budget, one_device = knobs.micro_batch, knobs.max_tokens, knobs.mesh.size == 1
     return layout.update_shapes(T, W, micro_batch=mb, length_buckets=UpdateConfig.length_buckets, grid=int(g.length_grid), packing=bool(g.packing),
-                                max_tokens=budget, head_over_rows=not (g.packing and one_device))
+                                max_tokens=budget, head_over_rows=not (g.packing and one_device),
+                                share=bool(g.packing) and int(g.share_prefix) > 0)
 
 
 def format_shapes(shapes) -> str:
@@ -605,15 +606,22 @@ def activation_bytes(cfg: ModelConfig, config, w: Workload, knobs: Knobs, T: int
                      W: int | None = None) -> float:
     """Temporaries of one update work item (one micro-batch of one slot, or one token budget's rows at the
     longest window) per device: marl_jax.rl.memory.activation_bytes under the item's attention."""
-    from marl_jax.rl import memory
+    from marl_jax.rl import layout, memory
     T = T or w.seq_len
     W = W or w.window
     m = knobs.mesh
-    rows = math.ceil(item_rows(knobs, T) / m.rows)
-    impl = memory.attention_impl(cfg, T, T, knobs.backend)
+    n = item_rows(knobs, T)
+    seqs, L = n, T
+    g = config.grpo
+    if g.get("packing") and int(g.get("share_prefix", 0)) > 0 and not knobs.max_tokens:
+        L = layout.pack_length(T, True)  # fixed micro-batches packed over shared prefixes: longer sequences
+        seqs = math.ceil(n * T / L)
+    rows = math.ceil(seqs / m.rows)
+    impl = memory.attention_impl(cfg, L, L, knobs.backend)
     r = config.trainable.rank if config.trainable.mode == "lora" else 0
-    return memory.activation_bytes(cfg, rows=rows, T=T, W=min(W, T), remat=knobs.remat, e=_bytes(config.model.dtype),
-                                   rank=r, model_shards=m.model, impl=impl)
+    # W per sequence keeps the LM head's positions those of the item's rows
+    return memory.activation_bytes(cfg, rows=rows, T=L, W=math.ceil(n * min(W, T) / seqs), remat=knobs.remat,
+                                   e=_bytes(config.model.dtype), rank=r, model_shards=m.model, impl=impl)
 
 
 def batch_bytes(w: Workload, micro_batch: int, mesh: Mesh) -> float:

@@ -168,6 +168,48 @@ def test_pack_rows_first_fit_decreasing_and_pack_shapes():
     assert pack_shapes(64, 8, 1) == ((1, 64), (2, 64), (4, 64), (8, 64))
 
 
+def test_rows_over_a_prompt_longer_than_half_of_T_share_it_in_sequences_of_2T():
+    """A GRPO group of 8 rows over a 40-token prompt with 20-token completions (T=64): in sequences of T no two
+    rows fit (nothing shared, 8 x 64 positions); in sequences of 2T the prompt is laid once per sequence, 4 rows
+    over it in each (40 + 4 x 20 = 120 <= 128): 2 x 128 positions."""
+    rng = np.random.RandomState(3)
+    prompt = list(rng.randint(1, 64, 40))
+    rows = [FakeRow(prompt, list(rng.randint(1, 64, 20)), [-1.0] * 20, "gen", 0) for _ in range(8)]
+    groups = make_groups(["gen"], {"gen": 0}, None)
+    b = make_batch(rows, np.ones(8, np.float32), role_to_slot={"gen": 0}, num_slots=1, groups=groups, micro_batch=8)
+    T = b.tokens.shape[-1]
+    assert T == 64 and pack_shapes(T, 8, share=True) == ((1, 128), (2, 128), (3, 128), (4, 128))
+    pb = pack_batch(b, 8, share_prefix=16)
+    assert (pb.pack_share[0] == 40).all() and sorted(np.bincount(pb.pack_seq[0])) == [4, 4]
+    assert item_positions(pb, 8, 4, True, 16).sum() == 2 * 128
+    assert item_positions(b, 8, 4, True).sum() == 8 * 64
+
+
+def test_sequences_of_2T_hold_any_micro_batch_in_half_its_row_count():
+    """pack_shapes(share=True) compiles at most ceil(mb / 2) sequences of 2T: first fit decreasing never needs
+    more, whatever the rows' lengths and shared prefixes (pack_batch checks it on every micro-batch)."""
+    rng = np.random.RandomState(5)
+    for trial in range(40):
+        rows = []
+        for task in range(rng.randint(1, 5)):
+            prompt = list(rng.randint(1, 64, rng.randint(1, 40)))
+            for _ in range(rng.randint(1, 6)):
+                n = rng.randint(1, 25)
+                rows.append(FakeRow(prompt, list(rng.randint(1, 64, n)), [-1.0] * n, "gen", 0))
+        groups = make_groups(["gen"], {"gen": 0}, None)
+        b = make_batch(rows, np.ones(len(rows), np.float32), role_to_slot={"gen": 0}, num_slots=1, groups=groups,
+                       micro_batch=8)
+        pb = pack_batch(b, 8, share_prefix=rng.randint(1, 8))
+        shapes = pack_shapes(b.tokens.shape[-1], 8, share=True)
+        assert shapes[-1][0] == 4
+        for m in range(b.length.shape[1] // 8):
+            sl = slice(8 * m, 8 * m + 8)
+            live = b.length[0, sl] > 0
+            if live.any():
+                p, _ = shapes[pb.pack_shape[0, 8 * m]]
+                assert pb.pack_seq[0, sl][live].max() < p <= -(-int(live.sum()) // 2)
+
+
 def test_packed_rows_do_not_overlap_and_use_fewer_positions():
     _, b = _shared_batch(6, 11, 7)
     T = b.tokens.shape[-1]

@@ -7,7 +7,8 @@ on the host and in NumPy, everything about those items that shapes their program
   - length windows: each item runs over a token window just long enough for its longest row, one of
     `length_ladder`'s sizes (few sizes, so few programs over a run);
   - packing: an item's rows laid end to end in fewer sequences of the batch's length T (`pack_shapes`,
-    `pack_batch`), optionally over one copy of a prefix they share (`share_units`, `pack_units`);
+    `pack_batch`), optionally over one copy of a prefix they share (`share_units`, `pack_units`), in
+    sequences of 2T then for fixed micro-batches (`pack_length`);
   - micro-batches: a fixed number of rows (UpdateConfig.micro_batch: the batch's own [S, R] layout cut
     into slices, `fixed_items`) or as many rows as a token budget holds (`budget_items`, verl's dynamic
     batch size), with row and sequence counts on the same grid so that programs stay few.
@@ -76,11 +77,20 @@ def grid_sizes(cap: int, grid: int = 2) -> tuple[int, ...]:
     return tuple(sorted({min(grid_size(k, grid), cap) for k in range(1, max(cap, 1) + 1)}))
 
 
-def pack_shapes(T: int, micro_batch: int, grid: int = 2) -> tuple[tuple[int, int], ...]:
-    """The (packed sequences, token window) shapes a packed micro-batch compiles: sequences of the batch's whole
-    length T (rows laid end to end fill them, so shorter windows would save little: at most one partly filled
-    sequence per item is padding), as many as its rows need on the grid up to micro_batch."""
-    return tuple((p, T) for p in grid_sizes(micro_batch, grid))
+def pack_length(T: int, share: bool = False) -> int:
+    """The length of a packed sequence for rows padded to T: T (rows laid end to end fill it, so a shorter one
+    would save little: at most one partly filled sequence per item is padding), or 2T when rows share prefixes:
+    a unit's rows lie over one copy of its prefix only within one sequence, and at T rows over a prompt longer
+    than T/2 could not share at all (at 2T, three or more rows whenever the prompt is as long as a completion)."""
+    return 2 * T if share else T
+
+
+def pack_shapes(T: int, micro_batch: int, grid: int = 2, share: bool = False) -> tuple[tuple[int, int], ...]:
+    """The (packed sequences, token window) shapes a packed micro-batch compiles: sequences of pack_length, as
+    many as its rows need on the grid up to the count that holds micro_batch rows of T tokens (micro_batch,
+    or half of it at 2T: first fit decreasing puts two rows or more in every sequence but its last)."""
+    L = pack_length(T, share)
+    return tuple((p, L) for p in grid_sizes(-(-micro_batch * T // L), grid))
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray, n: int) -> int:
@@ -209,7 +219,7 @@ def pack_rows(lengths, capacity: int) -> tuple[list[int], list[int], int]:
 
 def pack_batch(batch: TrainBatch, micro_batch: int, share_prefix: int = 0, grid: int = 2) -> TrainBatch:
     """Host-side: the packing of every micro-batch (TrainBatch.pack_*): its rows first fit decreasing in
-    sequences of T tokens, the fewest of pack_shapes that hold them. share_prefix > 0: rows sharing a prefix
+    sequences of pack_length, the fewest of pack_shapes that hold them. share_prefix > 0: rows sharing a prefix
     of at least that many tokens are laid over one copy of it (share_units; TrainBatch.pack_pre / pack_share)."""
     if batch.length is None:
         raise ValueError("packing needs the rows' lengths (TrainBatch.length)")
@@ -217,7 +227,8 @@ def pack_batch(batch: TrainBatch, micro_batch: int, share_prefix: int = 0, grid:
     S, R = length.shape
     T = batch.tokens.shape[2]
     mb = min(micro_batch, R)
-    counts = [p for p, _ in pack_shapes(T, mb, grid)]
+    shapes = pack_shapes(T, mb, grid, share_prefix > 0)
+    counts, L = [p for p, _ in shapes], shapes[0][1]
     tokens = np.asarray(batch.tokens) if share_prefix else None
     seq, off = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
     pre, shared = np.zeros((S, R), np.int32), np.zeros((S, R), np.int32)
@@ -230,10 +241,14 @@ def pack_batch(batch: TrainBatch, micro_batch: int, share_prefix: int = 0, grid:
                 continue
             units = (share_units(tokens[s, rows], lens, share_prefix) if share_prefix
                      else [Unit([i], 0) for i in range(mb) if lens[i] > 0])
-            where, used = pack_units(units, lens, T)  # every part holds a row: used <= mb
+            where, used = pack_units(units, lens, L)
+            # Rows are at most T long: at L = T every part holds a row; at 2T a sequence holding one row alone
+            # has room for any later (shorter) part, so only the last does, and the largest count holds them.
+            if used > counts[-1]:
+                raise AssertionError(f"{used} packed sequences for {int((lens > 0).sum())} rows (pack_shapes: {counts})")
             for i, at in where.items():
                 seq[s, m * mb + i], pre[s, m * mb + i], off[s, m * mb + i], shared[s, m * mb + i] = at
-            shape[s, rows] = counts.index(min(grid_size(used, grid), mb))
+            shape[s, rows] = counts.index(min(grid_size(used, grid), counts[-1]))
     return batch._replace(pack_seq=seq, pack_off=off, pack_shape=shape,
                           pack_pre=pre if share_prefix else None, pack_share=shared if share_prefix else None)
 
@@ -245,7 +260,7 @@ def item_positions(batch: TrainBatch, micro_batch: int, n: int, packing: bool, s
     if not packing:
         return item_windows(batch.length, micro_batch, T, n, grid) * mb
     b = batch if batch.pack_shape is not None else pack_batch(batch, micro_batch, share_prefix, grid)
-    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, grid)])
+    shapes = np.asarray([p * t for p, t in pack_shapes(T, mb, grid, b.pack_share is not None)])
     live = np.asarray(b.length).reshape(S, R // mb, mb).max(-1) > 0
     return np.where(live, shapes[np.asarray(b.pack_shape)[:, ::mb]], 0)
 
@@ -345,7 +360,9 @@ ROW_TOKENS = 16
 
 def pack_window(T: int, budget: int, grid: int = 2) -> int:
     """The sequence length packed budget items use: T, or the longest grid window within a budget below T
-    (a longer row then runs alone over its own window)."""
+    (a longer row then runs alone over its own window). T even when rows share prefixes (pack_length's 2T is
+    for fixed micro-batches): a budget already bounds each item, and on CPU the dense attention of 2T
+    sequences cost more than the positions they saved (docs/update-layouts.md)."""
     if budget >= T:
         return T
     ladder = length_ladder(T, T, grid)
@@ -440,7 +457,7 @@ class ItemShape(NamedTuple):
 
 
 def update_shapes(T: int, W: int, *, micro_batch: int, length_buckets: int, grid: int = 2, packing: bool = False,
-                  max_tokens: int = 0, head_over_rows: bool = True) -> list[ItemShape]:
+                  max_tokens: int = 0, head_over_rows: bool = True, share: bool = False) -> list[ItemShape]:
     """Every item shape plan_items can give a batch padded to T with a scored window W: the set a run compiles
     (rl.update's warmup compiles it before the first step; `python -m marl_jax.plan` lists it). Stated from the
     same ladders plan_items uses; tests/test_compile_once.py checks that a run's items stay within it.
@@ -448,7 +465,7 @@ def update_shapes(T: int, W: int, *, micro_batch: int, length_buckets: int, grid
     out = []
     if not max_tokens:
         if packing:
-            return [ItemShape(Packed(p, t), micro_batch) for p, t in pack_shapes(T, micro_batch, grid)]
+            return [ItemShape(Packed(p, t), micro_batch) for p, t in pack_shapes(T, micro_batch, grid, share)]
         return [ItemShape(Window(t), micro_batch) for t in length_ladder(T, length_buckets, grid)]
     if not packing:  # _budget_windows: row counts on the grid up to budget // window, for each window
         for w in length_ladder(T, T, grid):
@@ -488,7 +505,7 @@ def plan_items(batch: TrainBatch, *, micro_batch: int, length_buckets: int, grid
         return fixed_items(weight, windows, mb)
     if batch.pack_shape is None:
         raise ValueError("packed fixed micro-batches need the batch's packing (rl.layout.pack_batch)")
-    return fixed_items(weight, windows, mb, batch, pack_shapes(T, mb, grid))
+    return fixed_items(weight, windows, mb, batch, pack_shapes(T, mb, grid, batch.pack_share is not None))
 
 
 def take_rows(x: np.ndarray, rows: np.ndarray, fill=0) -> np.ndarray:

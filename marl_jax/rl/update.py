@@ -569,7 +569,7 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         """Every item shape a batch padded to T with scored window W can give (layout.update_shapes)."""
         return layout.update_shapes(T, W, micro_batch=ucfg.micro_batch, length_buckets=ucfg.length_buckets,
                                     grid=ucfg.length_grid, packing=ucfg.packing, max_tokens=budget,
-                                    head_over_rows=not head_on_scored)
+                                    head_over_rows=not head_on_scored, share=ucfg.share_prefix > 0)
 
     def warmup(state: TrainState, base, T: int, W: int, workers: int = 1) -> int:
         """Compile, without running, every program a step over batches padded to T (scored window W) can call:
