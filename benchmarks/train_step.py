@@ -19,8 +19,8 @@ produces them: prompts of 70-500 tokens, completions log-uniform from 4 tokens t
 marl_jax: make_train_step with UpdateConfig(diagnostics=False, metrics=False, remat=--remat,
 length_buckets=--length_buckets, length_grid=--length_grid, dtype=--dtype, unroll=--unroll) is the headline;
 the step with diagnostics and metrics on (exact per-role gradients from group-aligned micro-batches) is
-reported after it. Each is timed
-after a warm-up call, whose time (compilation included) is reported separately.
+reported after it. Each compiles its programs first, as launch/run.py's warm-up does, and is timed
+after an untimed first call; the compile and first-call times are reported separately.
 PyTorch, in a process of its own (so that each side's peak memory is its own, and its allocator too):
 transformers' LlamaForCausalLM from the same weights (float32, --threads threads), plain-torch
 LoRA on every decoder nn.Linear with marl_jax's initial A/B, the same loss (PPO clip 0.2/0.28, dual
@@ -483,9 +483,15 @@ def main(argv: list[str] | None = None) -> None:
     jax_rss = PeakRSS()
 
     def jax_runner(ucfg, rss=None):
-        """A fresh state and the step for ucfg; each call of the returned function is one timed step."""
+        """A fresh state and the step for ucfg, its programs compiled first as launch/run.py's warm-up does
+        (train.warmup: all of them, before any runs; compiling between runs leaves a larger heap under the
+        run's allocator); each call of the returned function is one timed step."""
         step = make_train_step(cfg, spec, ucfg, tx, **tables)
         box = [init_state(jax.tree_util.tree_map(jnp.array, trainable0), tx)]
+        t = time.perf_counter()
+        with rss or PeakRSS():
+            n = step.warmup(box[0], base, T, W, workers=max(1, min(4, os.cpu_count() or 1)))
+        warm = (n, time.perf_counter() - t)
 
         def run() -> tuple[float, float]:
             t = time.perf_counter()
@@ -496,6 +502,7 @@ def main(argv: list[str] | None = None) -> None:
             if not bool(met["finite"]):
                 raise RuntimeError("marl_jax step produced a non-finite loss or gradient")
             return loss, dt
+        run.warmup = warm
         return run
 
     # ---- PyTorch ----
@@ -537,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
         + (f" (+ the forward recomputed under remat={args.remat})" if args.remat != "none" else ""))
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
     print(f"marl_jax step (diagnostics off): median {jmed:.2f}s over {args.reps} ({fmt(jtimes)}); "
-          f"first call incl. compile {jwarm:.1f}s")
+          f"warm-up compiling {jax_step.warmup[0]} programs {jax_step.warmup[1]:.1f}s, first call {jwarm:.1f}s")
     if unpacked:
         umed = statistics.median(utimes)
         print(f"marl_jax step without packing (token windows only, {int(win.sum()) * mbr} positions): median "
@@ -573,8 +580,8 @@ def main(argv: list[str] | None = None) -> None:
         dl0, dwarm = diag_step()
         dtimes = [diag_step()[1] for _ in range(args.diag_reps)]
         print(f"marl_jax step with diagnostics + metrics on ({len(groups.names)} role groups, group-aligned micro-batches"
-              f"): median {statistics.median(dtimes):.2f}s over {args.diag_reps} ({fmt(dtimes)}); first call "
-              f"incl. compile {dwarm:.1f}s; first-step loss {dl0:.7f}")
+              f"): median {statistics.median(dtimes):.2f}s over {args.diag_reps} ({fmt(dtimes)}); warm-up compiling "
+              f"{diag_step.warmup[1]:.1f}s, first call {dwarm:.1f}s; first-step loss {dl0:.7f}")
     print("load average at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
           + f"; whole run {time.perf_counter() - t_start:.0f}s")
     print(f"speedup={tmed / jmed:.2f}")
