@@ -596,9 +596,11 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
             return (state.trainable, base, put(rows), slot, den)
 
         keys = shapes(T, W)
-        lower = lambda key: fns["item"].lower(*item_args(key), shape=key.shape).compile()
+        # Traced here, one at a time (flax builds its remat classes while tracing, and that is not
+        # thread-safe); compiled in threads (XLA compiles outside the GIL).
+        lowered = [fns["item"].lower(*item_args(key), shape=key.shape) for key in keys]
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            list(pool.map(lower, keys))
+            list(pool.map(lambda low: low.compile(), lowered))
         # The accumulators and the optimizer step: their shapes follow the weights and the stats, not the items.
         out = jax.eval_shape(lambda *a: fns["item"](*a, shape=keys[0].shape), *item_args(keys[0]))
         acc = jax.eval_shape(fns["zero"], state.trainable, out.stats)
