@@ -26,8 +26,8 @@ transformers' LlamaForCausalLM from the same weights (float32, --threads threads
 LoRA on every decoder nn.Linear with marl_jax's initial A/B, the same loss (PPO clip 0.2/0.28, dual
 clip 3, seq-mean-token-mean), the same micro-batches (each padded to its own longest row, LM head on
 completion positions only), grad-norm clipping 1.0 and AdamW as marl_jax's optimizer (betas 0.9/0.999, eps 1e-8, decay 0.01).
-Both take one untimed first step, then --reps timed steps alternately (so that changes in the load of a
-shared machine hit both alike); medians are reported. The first-step losses of both are printed (they
+Each takes one untimed first step, then --reps timed steps, one side after the other (so that their peak
+memory never adds up; marl_jax's free heap is handed back before PyTorch's turn); medians are reported. The first-step losses of both are printed (they
 agree to ~1e-6 relative when the computation is the same), and the losses after the AdamW updates.
 Prints wall times per step, tokens/s, useful tokens (real prompt + completion) against the positions
 each side computes (marl_jax: every micro-batch over its token window; PyTorch: every micro-batch
@@ -336,6 +336,19 @@ def torch_worker(conn, path: str, cfg, spec, trainable, threads: int, mb: int) -
             return
 
 
+def trim_heap() -> None:
+    """Hand this process's free heap memory back to the kernel (glibc's malloc_trim; a no-op elsewhere):
+    under the run's allocator, which never trims, it would stay resident through the other side's steps."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class TorchSide:
     """The PyTorch reference in a child process (multiprocessing's spawn: a fresh interpreter, no jax state)."""
 
@@ -510,24 +523,26 @@ def main(argv: list[str] | None = None) -> None:
     torch_side.setup(rows, list(advs), clip, float(np.asarray(batch.den)[0]), args.lr)
     torch_run = torch_side.step
 
-    # Warm-ups (marl_jax compiles; PyTorch's first step is untimed too), then timed steps alternately,
-    # so that changes in the machine's load hit both alike.
+    # One side after the other, each an untimed first step then --reps timed ones: alternating, marl_jax's heap
+    # stayed resident under PyTorch's steps (24 GB together on a 24 GiB machine, the kernel reclaiming pages
+    # during the timings). With --unpacked, the unpacked step runs in marl_jax's turn.
     jax_step = jax_runner(ucfg_off, jax_rss)
     jl, jwarm = jax_step()
-    tl, twarm = torch_run()
-    # With --unpacked, the unpacked step (token windows only) is timed in the same rounds as the reference.
-    unpacked = jax_runner(dataclasses.replace(ucfg_off, packing=False, share_prefix=0)) if args.unpacked else None
-    ul = unpacked()[0] if unpacked else None
-    jlosses, tlosses, jtimes, ttimes, utimes = [jl], [tl], [], [], []
+    jlosses, jtimes = [jl], []
     for _ in range(args.reps):
         jl, dt = jax_step()
         jlosses.append(jl)
         jtimes.append(dt)
+    unpacked = jax_runner(dataclasses.replace(ucfg_off, packing=False, share_prefix=0)) if args.unpacked else None
+    ul = unpacked()[0] if unpacked else None
+    utimes = [unpacked()[1] for _ in range(args.reps)] if unpacked else []
+    trim_heap()  # marl_jax's freed pages back to the kernel before PyTorch's turn
+    tl, twarm = torch_run()
+    tlosses, ttimes = [tl], []
+    for _ in range(args.reps):
         tl, dt = torch_run()
         tlosses.append(tl)
         ttimes.append(dt)
-        if unpacked:
-            utimes.append(unpacked()[1])
     jmed, tmed = statistics.median(jtimes), statistics.median(ttimes)
     torch_side.close()
 
