@@ -21,13 +21,14 @@ length_buckets=--length_buckets, length_grid=--length_grid, dtype=--dtype, unrol
 the step with diagnostics and metrics on (exact per-role gradients from group-aligned micro-batches) is
 reported after it. Each compiles its programs first, as launch/run.py's warm-up does, and is timed
 after an untimed first call; the compile and first-call times are reported separately.
-PyTorch, in a process of its own (so that each side's peak memory is its own, and its allocator too):
+PyTorch, in a process of its own (so that each side's peak memory is its own):
 transformers' LlamaForCausalLM from the same weights (float32, --threads threads), plain-torch
 LoRA on every decoder nn.Linear with marl_jax's initial A/B, the same loss (PPO clip 0.2/0.28, dual
 clip 3, seq-mean-token-mean), the same micro-batches (each padded to its own longest row, LM head on
 completion positions only), grad-norm clipping 1.0 and AdamW as marl_jax's optimizer (betas 0.9/0.999, eps 1e-8, decay 0.01).
-Each takes one untimed first step, then --reps timed steps, one side after the other (so that their peak
-memory never adds up; marl_jax's free heap is handed back before PyTorch's turn); medians are reported. The first-step losses of both are printed (they
+Each takes one untimed first step, then --reps timed steps, one side after the other (so that their
+peak memory never adds up; marl_jax's free heap is handed back before PyTorch's turn); medians are
+reported. The first-step losses of both are printed (they
 agree to ~1e-6 relative when the computation is the same), and the losses after the AdamW updates.
 Prints wall times per step, tokens/s, useful tokens (real prompt + completion) against the positions
 each side computes (marl_jax: every micro-batch over its token window; PyTorch: every micro-batch

@@ -287,31 +287,28 @@ class Sampler:
         sizes = buckets.compaction_sizes(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else [B]
         states = {b: state if b == B else jax.eval_shape(gather, state, i32(b), to_device(np.ones(b, bool)))
                   for b in sizes}
-        jobs = [lambda: prefill.lower(*args)]
+        lowered = [prefill.lower(*args)]
         pc = self.prefix_cache
         if pc is not None:  # prefills loading prefix-cache hits, at each cached region they may take
             pc.ensure()
             for C in buckets.cached_regions(P, pc.block):
                 hit = (params, trainable, slot_, i32(0), i32(Bu, P - C), to_device(np.ones((Bu, P - C), bool)),
                        i32(Bu), i32(B), i32(B), i32(B), key, (pc.k, pc.v, i32(Bu, C)), None)
-                jobs.append(lambda hit=hit: prefill.lower(*hit))
+                lowered.append(prefill.lower(*hit))
         moves = buckets.compaction_moves(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else []
-        jobs += [lambda b=b, c=c: gather.lower(states[b], i32(c), to_device(np.ones(c, bool))) for b, c in moves]
+        lowered += [gather.lower(states[b], i32(c), to_device(np.ones(c, bool))) for b, c in moves]
         for b in sizes:
             for w in buckets.decode_windows(P, Tn):
                 fn = self.programs.decode(sp, P, w)
-                jobs.append(lambda fn=fn, b=b: fn.lower(params, trainable, slot_, states[b], key, jnp.int32(0),
-                                                        jnp.int32(0)))
+                lowered.append(fn.lower(params, trainable, slot_, states[b], key, jnp.int32(0), jnp.int32(0)))
             if pc is not None:
                 m = buckets.STORE_CHUNK
-                jobs.append(lambda b=b: self.programs.store().lower(pc.k, pc.v, states[b].cache, i32(m), i32(m),
-                                                                    i32(m)))
-        # Traced here, one at a time (flax builds its transform classes while tracing, and that is not
+                lowered.append(self.programs.store().lower(pc.k, pc.v, states[b].cache, i32(m), i32(m), i32(m)))
+        # Traced above, one at a time (flax builds its transform classes while tracing, and that is not
         # thread-safe); compiled in threads (XLA compiles outside the GIL).
-        lowered = [job() for job in jobs]
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as ex:
             list(ex.map(lambda low: low.compile(), lowered))
-        return len(jobs)
+        return len(lowered)
 
     def _refuse_oversized(self, prompts, limits, pool: BlockPool):
         """A row whose prompt and completion need more blocks than the budget's pool holds would never run:

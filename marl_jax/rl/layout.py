@@ -245,7 +245,8 @@ def pack_batch(batch: TrainBatch, micro_batch: int, share_prefix: int = 0, grid:
             # Rows are at most T long: at L = T every part holds a row; at 2T a sequence holding one row alone
             # has room for any later (shorter) part, so only the last does, and the largest count holds them.
             if used > counts[-1]:
-                raise AssertionError(f"{used} packed sequences for {int((lens > 0).sum())} rows (pack_shapes: {counts})")
+                raise AssertionError(f"{used} packed sequences for {int((lens > 0).sum())} rows "
+                                     f"(pack_shapes: {counts})")
             for i, at in where.items():
                 seq[s, m * mb + i], pre[s, m * mb + i], off[s, m * mb + i], shared[s, m * mb + i] = at
             shape[s, rows] = counts.index(min(grid_size(used, grid), counts[-1]))
