@@ -228,17 +228,25 @@ def call_shapes(config) -> dict[str, tuple[str, Any]]:
     return {s.name: (s.role, CallShape(s.rows, s.distinct, s.prompt)) for s in w.stages}
 
 
-def sampler_shapes(config) -> list[dict[str, Any]]:
-    """Per stage, the sampler's compiled shapes at its CallShape (what Sampler.warmup compiles on a dense cache):
-    the prompt region P, the new-token bucket, the first batch and every batch size compaction reaches, the
-    attention windows and the cached regions of prefills loading prefix-cache hits, from the sampler's own
-    rules (generate.buckets, its scheduler's config)."""
+def sampler_shapes(config, backend: str = "cpu") -> list[dict[str, Any]]:
+    """Per stage, the sampler's compiled shapes at its CallShape on `backend` (what Sampler.warmup compiles): the
+    prompt region P, the new-token bucket, the first batch and every batch size compaction reaches, the
+    attention windows, the cached regions of prefills loading prefix-cache hits and, paged without a KV budget,
+    the pool's one size in blocks (0: a dense cache), from the sampler's own rules (generate.buckets, its
+    scheduler's config, the attention choice)."""
     from marl_jax.generate import buckets
     from marl_jax.generate.sampler import Sampler
     from marl_jax.generate.scheduler import SchedulerConfig
+    import jax.numpy as jnp
+
+    from marl_jax.models import attention
 
     r = config.rollout
     sc = SchedulerConfig(max_batch=int(r.max_batch), per_octave=int(r.compaction_buckets))
+    paged = paged_kv(config, backend) and not float(r.get("kv_budget_gb", 0.0))
+    blk = int(r.get("kv_block", 16)) if paged else 0
+    kernel = paged and attention.choose(config.model.get("attention", "auto"), 1, 1, backend=backend,
+                                        dtype=jnp.dtype(kv_dtype(config)), pool=True) == "paged"
     out = []
     for stage, (role, shape) in call_shapes(config).items():
         P, Tn = Sampler.prompt_region(shape), buckets.length_bucket(int(r.max_new_tokens.get(role, 256)))
@@ -246,8 +254,9 @@ def sampler_shapes(config) -> list[dict[str, Any]]:
         out.append({"stage": stage, "role": role, "prompt_slots": P, "new_slots": Tn, "batch": B,
                     "distinct": buckets.batch_bucket(min(shape.distinct, B)),
                     "batch_sizes": buckets.compaction_sizes(B, sc.min_batch, 1, sc.per_octave),
-                    "windows": list(buckets.decode_windows(P, Tn)),
-                    "cached_regions": list(buckets.cached_regions(P, buckets.PREFIX_BLOCK))})
+                    "windows": list(buckets.call_windows(P, Tn, blk, kernel)),
+                    "cached_regions": list(buckets.cached_regions(P, buckets.PREFIX_BLOCK)),
+                    "pool_blocks": buckets.shape_pool_blocks(B, shape.distinct, P, Tn, blk) if paged else 0})
     return out
 
 
@@ -382,22 +391,6 @@ def static_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh) -> dict[str,
     K = len(w.roles)
     grads = slot * ((G + S + K) if G else 2 * S)
     return {"base_weights": base, "trainable": slot * S, "gradients": grads, "optimizer": 2 * slot * S}
-
-
-def paged_pool_blocks(rows: int, distinct: int, P: int, Tn: int, block: int) -> tuple[int, int]:
-    """Paged KV pool of one row shard when every row runs to its limit: (blocks at the end, blocks before
-    the last growth), replaying the sampler's rule (Sampler._empty_paged / _ensure_blocks): a first pool for
-    the prompts and a block of growth per row, then 1.5x steps, never beyond a dense cache of the rows.
-    The rows hold at most the distinct prompts' whole blocks once plus, each, its own part of the prompt's
-    last block and its completion's blocks (+1 for the null block)."""
-    from marl_jax.generate import buckets
-    full = buckets.full_pool_blocks(rows, P, Tn, block)
-    whole, per = P // block, buckets.blocks_for(P, block)
-    need = min(full, 1 + min(distinct, rows) * whole + rows * (per - whole + buckets.blocks_for(Tn, block) + 1))
-    N = prev = buckets.first_pool_blocks(rows, min(distinct, rows), P, Tn, block)
-    while N < need:  # a decode step takes at most one block per row, so each growth is by N // 2
-        prev, N = N, buckets.grown_pool_blocks(N, 1, full)
-    return N, prev
 
 
 def _heads(cfg: ModelConfig, mesh: Mesh) -> tuple[int, int, int]:
@@ -548,14 +541,15 @@ def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
 
     KV budget (rollout.kv_budget_gb > 0): the pool is that many GiB per device, whatever the rows; rows are
     admitted while their blocks fit, so at most budget_concurrency rows decode at once. Otherwise dense: every
-    row holds prompt + max new tokens; paged (rollout.paged_kv): the pool when every row runs to its limit,
-    plus the pool before its last growth, which lives until the grown copy exists; a task's episodes share
+    row holds prompt + max new tokens; paged (rollout.paged_kv): the pool when every row runs to its limit
+    (buckets.shape_pool_blocks, the size the sampler gives a call under a CallShape); a task's episodes share
     their prompt's blocks. Prefill (prefill_rows) runs in chunks of rollout.prefill_chunk tokens over a dense
     cache of the distinct prompts; paged, that cache is then copied to every admitted row's and written into
     the pool's blocks, so the prefill transient is the larger of (distinct cache + a chunk's temporaries) and
     (distinct cache + rows' cache). Dense, the rows' cache is the decode cache itself. backend: the chip's kind
     ("tpu" counts the programs' temporaries as XLA:TPU holds them, see prefill_chunk_bytes and
     decode_step_bytes)."""
+    from marl_jax.generate import buckets
     from marl_jax.generate.buckets import batch_bucket as _batch_bucket, length_bucket
     e = _bytes(config.model.dtype)
     budget = float(config.rollout.get("kv_budget_gb", 0.0)) if kv_budget_gb is None else kv_budget_gb
@@ -580,10 +574,9 @@ def kv_bytes(cfg: ModelConfig, config, w: Workload, mesh: Mesh, max_batch: int,
             pool_slots = int(budget * GiB // (blk * slot)) * blk
         else:
             kv = b * (P + Tn) * slot
-            if paged:
-                distinct = math.ceil(min(st.distinct, B) / mesh.rows)
-                N, prev = paged_pool_blocks(int(b), distinct, P, Tn, blk)
-                kv = (N + (prev if prev < N else 0)) * blk * slot
+            if paged:  # the sampler's pool under the stage's CallShape: one size, never grown
+                N = buckets.shape_pool_blocks(int(b), st.distinct, P, Tn, blk)
+                kv = N * blk * slot
                 pool_slots = N * blk
         chunk_bytes = prefill_chunk_bytes(cfg, bu, chunk, P, e, mesh, backend)
         if paged:
@@ -893,7 +886,7 @@ def plan(config, chip_spec: str, prompt_tokens: int | None = None, search_chips:
         # the update's programs, from the config's lengths (rollout.prompt_tokens, not --prompt_tokens)
         "update_lengths": update_lengths(config), "update_shapes": [
             {"rows": k.rows, "shape": type(k.shape).__name__, **k.shape._asdict()} for k in update_shapes(config, knobs)],
-        "sampler_shapes": sampler_shapes(config),
+        "sampler_shapes": sampler_shapes(config, knobs.backend),
         "fewest_chips": fewest,
         "time": roofline(cfg, config, w, knobs, chip),
     }
@@ -955,7 +948,8 @@ def format_plan(p: dict[str, Any]) -> str:
         lines.append(f"sampler programs, {st['stage']} ({st['role']}): prompt {st['prompt_slots']} + {st['new_slots']} "
                      f"new slots, {st['distinct']} distinct of {st['batch']} rows, decode at batch "
                      f"{'/'.join(map(str, st['batch_sizes']))} x windows {'/'.join(map(str, st['windows']))}, "
-                     f"prefix-cache hits prefilled at cached regions {'/'.join(map(str, st['cached_regions']))}")
+                     f"prefix-cache hits prefilled at cached regions {'/'.join(map(str, st['cached_regions']))}"
+                     + (f", a paged pool of {st['pool_blocks']} blocks" if st.get("pool_blocks") else ""))
     if p.get("sampler_shapes"):
         lines.append("")
     lines.append(t_line("as configured", p["time"]))

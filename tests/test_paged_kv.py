@@ -161,3 +161,40 @@ def test_bfloat16_kv_under_float32_compute(tiny):
         np.testing.assert_allclose(out.row(i)[1], tf_lp, atol=3e-2, rtol=0, err_msg=f"row {i}")
     err = np.abs(out.logprobs[:, 0] - run["f32"][0].logprobs[:, 0]).max()  # the first token: the same context
     assert 0 < err < 3e-2, err  # rounded keys and values, not the float32 cache
+
+
+def test_paged_calls_under_a_call_shape_run_warmed_programs_only(tiny):
+    """Under a CallShape the paged pool takes one size (the shape's full pool, no growth) and the first rows fill
+    the whole batch, so Sampler.warmup compiles every program a call runs: calls with long-tailed completions
+    and prefix-cache hits compile nothing after it and sample what the dense cache samples."""
+    from marl_jax.generate.types import CallShape
+    from marl_jax.train import compiles
+
+    cfg, params, _ = tiny
+    shape = CallShape(rows=16, distinct=4, prompt=40)
+    paged = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=2, paged=True, kv_block=8, prefix_cache_tokens=1024)
+    dense = Sampler(cfg, pad_id=PAD, max_batch=16, min_batch=2, prefix_cache_tokens=1024)
+    sp = SamplingParams(24, temperature=0.9)
+    assert paged.warmup(params, sp, shape) > 0
+    dense.warmup(params, sp, shape)
+    rng = np.random.RandomState(3)
+    heads = random_prompts(4, cfg.vocab_size, seed=8, lo=6, hi=20)
+    sizes, compiled = set(), 0
+    for r in range(3):
+        n = 16 - 4 * r  # fewer rows than the shape's: padded up to it
+        tails = [rng.randint(0, cfg.vocab_size, 2).tolist() for _ in range(4)]
+        prompts = [heads[i % 4] + tails[i % 4] for i in range(n)]  # 4 tasks' episodes
+        limits = long_tail_limits(n, 24, seed=r)
+        key = jax.random.PRNGKey(r)
+        before = compiles.snapshot()
+        out = paged.generate(params, prompts, key, sp, max_new_tokens=limits, shape=shape)
+        compiled += compiles.since(before)["all"].programs
+        sizes.add(paged.stats["peak_kv_bytes"])
+        assert paged.stats["pool_grows"] == 0 and paged.stats["compactions"] > 0
+        assert (paged.stats["cached_tokens"] > 0) == (r > 0)  # later rounds load prefix-cache hits
+        ref = dense.generate(params, prompts, key, sp, max_new_tokens=limits, shape=shape)
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"round {r}")
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+        heads = [prompts[i] + out.row(i)[0][:3] for i in range(4)]  # later rounds extend earlier sequences
+    assert compiled == 0
+    assert len(sizes) == 1  # one pool size

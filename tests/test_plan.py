@@ -139,31 +139,32 @@ def test_remat_ordering_and_micro_batch_scaling():
 
 @pytest.mark.parametrize("rows,distinct,plen,new", [(16, 16, 20, 100), (16, 4, 70, 30)])
 def test_paged_kv_pool_matches_the_sampler(rows, distinct, plen, new):
-    """rollout.paged_kv: the planner replays the pool's growth; every row runs to its limit, the sampler's
-    pool ends at the planner's size; the plan counts the pool before its last growth too. Sharing a prompt
-    (4 tasks x 4 episodes) keeps the pool below the dense cache."""
+    """rollout.paged_kv: under a CallShape the sampler's pool takes one size, what every row at its limit
+    holds (buckets.shape_pool_blocks), and every row running to its limit fits it without growing; the planner
+    counts that pool. Sharing a prompt (4 tasks x 4 episodes) keeps it below the dense cache."""
+    from marl_jax.generate import buckets
     from marl_jax.generate.sampler import Sampler, SamplingParams, length_bucket
+    from marl_jax.generate.types import CallShape
 
     params = decoder.init_params(CFG, jax.random.PRNGKey(0))
     rng = np.random.RandomState(0)
     base = [rng.randint(3, CFG.vocab_size, plen).tolist() for _ in range(distinct)]
     s = Sampler(CFG, max_batch=rows, paged=True, kv_block=16, prefix_cache_tokens=0)
     out = s.generate(params, [base[i % distinct] for i in range(rows)], jax.random.PRNGKey(1),
-                     SamplingParams(max_new_tokens=new, temperature=1.0))
-    assert (out.lengths == new).all()
+                     SamplingParams(max_new_tokens=new, temperature=1.0), shape=CallShape(rows, distinct, plen))
+    assert (out.lengths == new).all() and s.stats["pool_grows"] == 0
     slot = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
-    N, prev = P.paged_pool_blocks(rows, distinct, length_bucket(plen), length_bucket(new), 16)
+    N = buckets.shape_pool_blocks(rows, distinct, length_bucket(plen), length_bucket(new), 16)
     assert s.stats["peak_kv_bytes"] == N * 16 * slot
-    assert (prev < N) == (s.stats["pool_grows"] > 0)
     c = _config()
     w = P.Workload((P.Stage("worker", rows, distinct, plen, new),), ROLES, {r: 0 for r in ROLES}, 1, 3, rows)
     dense = P.kv_bytes(CFG, c, w, P.Mesh(), rows)
     c.rollout.paged_kv = "true"
     paged = P.kv_bytes(CFG, c, w, P.Mesh(), rows)
     logits = 8 * 16 * CFG.vocab_size  # the decode step's float32 logits and softmax, in both
-    assert paged[0] - logits >= N * 16 * slot + (prev * 16 * slot if prev < N else 0) - 1
+    assert paged[0] - logits >= N * 16 * slot - 1
     assert paged[1] < dense[1]  # the paged prefill caches prompt slots only
-    if distinct < rows and prev == N:
+    if distinct < rows:
         assert paged[0] < dense[0]
 
 

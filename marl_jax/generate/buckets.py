@@ -74,6 +74,22 @@ def decode_windows(P: int, Tn: int) -> tuple[int, ...]:
     return (P + Tn // 4, P + Tn // 2, P + Tn)
 
 
+def pool_window(window: int, block: int, width: int) -> int:
+    """A decode window over a paged pool: rounded up to whole blocks, at most a row's `width` slots."""
+    return min(blocks_for(window, block) * block, width)
+
+
+def call_windows(P: int, Tn: int, block: int = 0, kernel: bool = False) -> tuple[int, ...]:
+    """The windows a call's decode runs over: decode_windows on a dense cache; over a paged pool of `block`-slot
+    blocks each as pool_window makes it, or, where the paged kernel reads each row's own length, the whole row."""
+    if not block:
+        return decode_windows(P, Tn)
+    width = blocks_for(P + Tn, block) * block
+    if kernel:
+        return (width,)
+    return tuple(sorted({pool_window(w, block, width) for w in decode_windows(P, Tn)}))
+
+
 def shared_prefix_len(prompts: Sequence[Sequence[int]], minimum: int = 16) -> int:
     """Length of the prefix every prompt shares, rounded down to a length bucket (so few programs compile)
     and leaving each prompt at least one token of its own (its last token's logits start decoding).
@@ -133,6 +149,16 @@ def first_pool_blocks(rows: int, distinct: int, P: int, Tn: int, block: int) -> 
     prompt's last block and one block of growth (+1 null), rounded up to a size bucket, at most the full pool."""
     whole, per = P // block, blocks_for(P, block)
     return min(batch_bucket(1 + distinct * whole + rows * (per - whole + 1), 16), full_pool_blocks(rows, P, Tn, block))
+
+
+def shape_pool_blocks(rows: int, distinct: int, P: int, Tn: int, block: int) -> int:
+    """A row shard's pool when every row runs to its limit: its distinct prompts' whole blocks once and, per row,
+    its part of its prompt's last block, its completion's blocks and one block taken ahead (+1 null), at most
+    the full pool. The fixed size of a call sized by a CallShape (one pool size, so its programs compile once)
+    and what the planner counts."""
+    whole, per = P // block, blocks_for(P, block)
+    return min(full_pool_blocks(rows, P, Tn, block),
+               1 + min(distinct, rows) * whole + rows * (per - whole + blocks_for(Tn, block) + 1))
 
 
 def grown_pool_blocks(N: int, short: int, full: int) -> int:

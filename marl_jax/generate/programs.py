@@ -261,6 +261,19 @@ class Programs:
             return self.constrain(DecodeState(cache, *(put(a, b) for a, b in zip(state[1:], new[1:]))))
         return self._memo("paged_insert", lambda: jax.jit(insert, donate_argnums=(0,)))
 
+    def empty_paged(self, B: int, blocks: int, block: int, length: int, shards: int, out_len: int):
+        """A state of B filler rows over an empty paged pool (`blocks` blocks per shard): a program of its own,
+        so that the sampler's warm-up can compile it."""
+        pc = self.pc
+
+        def empty():
+            cache = decoder.init_paged(pc.cfg, blocks, block, B, length, shards, pc.kv_dtype)
+            z = jnp.zeros(B, jnp.int32)
+            return self.constrain(DecodeState(cache, z, z, jnp.ones(B, jnp.int32), jnp.zeros(B, bool),
+                                              jnp.full((B, out_len), pc.pad_id, jnp.int32),
+                                              jnp.zeros((B, out_len), jnp.float32), jnp.full(B, -1, jnp.int32), z))
+        return self._memo(("empty_paged", B, blocks, block, length, shards, out_len), lambda: jax.jit(empty))
+
     def grow(self, N: int):
         """The pool's keys and values with blocks added up to N per shard."""
         def grow(k, v):

@@ -31,7 +31,7 @@ from marl_jax.generate.programs import ProgramConfig, Programs
 from marl_jax.generate.scheduler import Scheduler, SchedulerConfig, View
 from marl_jax.generate.types import CallShape, DecodeState, SampleOutput, SamplingParams  # noqa: F401 (re-exported)
 from marl_jax.models import attention as attn
-from marl_jax.models import decoder, sharding
+from marl_jax.models import sharding
 from marl_jax.models.decoder import ModelConfig
 from marl_jax.models.sharding import to_device, to_host
 
@@ -241,6 +241,8 @@ class Sampler:
             full = buckets.full_pool_blocks(B // D, lay.P, Tn, blk)
             if self.kv_budget_bytes:  # a fixed pool: the budget's blocks
                 blocks = buckets.budget_pool_blocks(self.kv_budget_bytes, self.block_bytes(), full)
+            elif shape is not None:  # one size per CallShape (every row at its limit): its programs compile once
+                blocks = buckets.shape_pool_blocks(B // D, shape.distinct, lay.P, Tn, blk)
             else:  # per shard, a first pool for its first rows' prompts; it grows as rows need more
                 first = prompts[:B]
                 distinct = max(len({tuple(p) for p in first[d * (B // D):(d + 1) * (B // D)]}) for d in range(D))
@@ -264,14 +266,15 @@ class Sampler:
         """Compile, without running, the programs a call sized by `shape` runs: its prefill (with no shared
         prefix; the first call compiles the one with its prefix), the decode loop at every batch size compaction
         can reach (buckets.compaction_sizes) and every attention window, the compactions between those sizes and
-        the prefix-cache store from each, and the prefills loading prefix-cache hits (buckets.cached_regions).
-        Returns the programs compiled. Covers the dense cache on one device (a
-        paged pool's size follows its rows; a mesh's arguments carry shardings): elsewhere it compiles nothing
-        and the run compiles as it goes. Calls beyond the shape (more rows than rollout.max_batch, which refill;
-        longer prompts) compile what they need when met."""
+        the prefix-cache store from each, and the prefills loading prefix-cache hits (buckets.cached_regions);
+        paged, the empty pool (one size per CallShape) and the insertion of the first rows into it.
+        Returns the programs compiled. Covers one device, dense or paged without a KV budget: under a budget
+        (admissions sized by the free blocks, preempted rows resumed) or over a mesh (arguments carrying
+        shardings) it compiles nothing and the run compiles as it goes. Calls beyond the shape (more rows than
+        rollout.max_batch, which refill; longer prompts) compile what they need when met."""
         import concurrent.futures
 
-        if self.paged or self.mesh is not None:
+        if self.mesh is not None or self.kv_budget_bytes:
             return 0
         key = jax.random.PRNGKey(0) if key is None else key
         sc, Tn, P = self.scheduling, length_bucket(sp.max_new_tokens), self.prompt_region(shape)
@@ -279,15 +282,28 @@ class Sampler:
         Bu = buckets.batch_bucket(min(shape.distinct, B), 1, self.data_size)
         i32 = lambda *shape_: to_device(np.zeros(shape_, np.int32))
         slot_ = jnp.int32(slot)
-        prefill = self.programs.prefill(sp, P + Tn, Tn)
+        cache_len = P if self.paged else P + Tn  # paged: the prompt slots, then written into the pool
+        prefill = self.programs.prefill(sp, cache_len, Tn)
         args = (params, trainable, slot_, i32(0), i32(Bu, P), to_device(np.ones((Bu, P), bool)), i32(Bu), i32(B),
                 i32(B), i32(B), key, None, None)
-        state = jax.eval_shape(prefill, *args)
+        lowered = [prefill.lower(*args)]
+        windows = buckets.call_windows(P, Tn, self.kv_block if self.paged else 0, self.kernel_decode())
+        if self.paged:  # the first rows' prefill goes into an empty pool of the shape's one size
+            blk = self.kv_block
+            T = buckets.blocks_for(P + Tn, blk) * blk
+            N = buckets.shape_pool_blocks(B, shape.distinct, P, Tn, blk)
+            empty = self.programs.empty_paged(B, N, blk, T, 1, Tn)
+            insert = self.programs.paged_insert()
+            new, pool_state = jax.eval_shape(prefill, *args), jax.eval_shape(empty)
+            ins = (pool_state, new, i32(B), i32(B, T // blk), i32(B, T // blk), i32(B), i32(1, N), i32(1))
+            lowered += [empty.lower(), insert.lower(*ins)]
+            state = jax.eval_shape(insert, *ins)
+        else:
+            state = jax.eval_shape(prefill, *args)
         gather = self.programs.gather()
         sizes = buckets.compaction_sizes(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else [B]
         states = {b: state if b == B else jax.eval_shape(gather, state, i32(b), to_device(np.ones(b, bool)))
                   for b in sizes}
-        lowered = [prefill.lower(*args)]
         pc = self.prefix_cache
         if pc is not None:  # prefills loading prefix-cache hits, at each cached region they may take
             pc.ensure()
@@ -298,7 +314,7 @@ class Sampler:
         moves = buckets.compaction_moves(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else []
         lowered += [gather.lower(states[b], i32(c), to_device(np.ones(c, bool))) for b, c in moves]
         for b in sizes:
-            for w in buckets.decode_windows(P, Tn):
+            for w in windows:
                 fn = self.programs.decode(sp, P, w)
                 lowered.append(fn.lower(params, trainable, slot_, states[b], key, jnp.int32(0), jnp.int32(0)))
             if pc is not None:
@@ -375,7 +391,7 @@ class DeviceRows:
         steps = np.where(v.active, v.step, 1)
         window = next(w for w in buckets.decode_windows(P, Tn) if w >= P + steps.max())
         if self.pool is not None:
-            window = min(buckets.blocks_for(window, self.pool.block) * self.pool.block, T)
+            window = buckets.pool_window(window, self.pool.block, T)
         return window
 
     def decode(self, exit_at: int, max_steps: int) -> int:
@@ -414,12 +430,8 @@ class DeviceRows:
     # ---- rows in ----
 
     def _empty_paged(self) -> DecodeState:
-        p, B, Tn = self.pool, self.B, self.Tn
-        cache = decoder.init_paged(self.s.cfg, p.blocks, p.block, B, p.width * p.block, p.shards, self.s.kv_dtype)
-        z = lambda: jnp.zeros(B, jnp.int32)  # distinct buffers: the state is donated
-        return DecodeState(cache, z(), z(), jnp.ones(B, jnp.int32), jnp.zeros(B, bool),
-                           jnp.full((B, Tn), self.s.pad_id, jnp.int32), jnp.zeros((B, Tn), jnp.float32),
-                           jnp.full(B, -1, jnp.int32), z())
+        p = self.pool
+        return self.programs.empty_paged(self.B, p.blocks, p.block, p.width * p.block, p.shards, self.Tn)()
 
     def admit(self, rows: Sequence[int], slots: np.ndarray):
         t0 = time.perf_counter()
@@ -520,9 +532,11 @@ class DeviceRows:
         pool, P, n = self.pool, self.lay.P, len(prompts)
         glen = [0 if x is None else len(x[0]) for x in gens]
         G = buckets.resume_slots(max(glen)) if any(glen) else 0
-        Bg = buckets.batch_bucket(n, 1, self.s.data_size)
+        B = self.state.active.shape[0]
+        # The first rows under a CallShape fill the whole batch (the padded rows are dropped), as the dense
+        # path's first prefill does: one program whatever the call's rows.
+        Bg = B if self.distinct and not self.placed else buckets.batch_bucket(n, 1, self.s.data_size)
         new = self.prefill(prompts, row_ids, limits, Bg, cache_len=P + G, gens=gens + [None] * (Bg - n))
-        B = self.B if self.state is None else self.state.active.shape[0]
         shard = np.asarray(dest) // (B // pool.shards)
         keys = [(tuple(p), len(p)) for p in prompts]
         spans = [pool.spans(len(p), g) for p, g in zip(prompts, glen)]
