@@ -96,3 +96,23 @@ def test_every_compaction_a_call_runs_is_in_the_warm_up_set(per_octave):
             assert sched.stats["compactions"] > 0
             assert sched.sizes <= sizes, (rows, sorted(sched.sizes - sizes))
             assert moves <= allowed, (rows, sorted(moves - allowed))
+
+
+def test_the_sampler_on_a_mesh_compiles_only_in_the_warm_up():
+    """On 8 fake CPU devices (data x fsdp x model 2x2x2, and 8 data shards), dense and paged: each warm-up
+    program compiled for the shardings the one before it gives the state, calls with long-tailed completions
+    and prefix-cache hits compile nothing after it, and give a one-device sampler's greedy tokens."""
+    import json
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, os.path.join(repo, "tests", "sampler_warmup_mesh_driver.py")], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    assert report["devices"] == 8 and len(report["runs"]) == 4, report
+    for name, r in report["runs"].items():
+        assert r["warmup_programs"] > 0 and r["cached_tokens"] > 0, (name, r)
+        assert r["same"], (name, r)
+        assert r["compiled_after"] == [0, 0, 0], (name, r)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 
 from marl_jax.models.decoder import ModelConfig
@@ -24,10 +25,11 @@ class PrefixCache:
     parameters, so the cache empties whenever `generate` gets another params or trainable object.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block: int = 16, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block: int = 16, dtype=jnp.float32, shardings=None):
         if num_blocks < 1 or block < 1:
             raise ValueError(f"prefix cache needs num_blocks >= 1 and block >= 1, got {num_blocks}, {block}")
         self.cfg, self.num_blocks, self.block, self.dtype = cfg, num_blocks, block, dtype
+        self.shardings = shardings  # (keys', values') on a mesh: the ones the store program gives them too
         self.k = self.v = None
         self._owner: tuple = ()
         self.clear()
@@ -93,6 +95,15 @@ class PrefixCache:
 
     def ensure(self):
         if self.k is None:
-            c, n = self.cfg, self.num_blocks * self.block
-            self.k = jnp.zeros((c.num_layers, c.num_kv_heads, c.head_dim, n), self.dtype)
-            self.v = jnp.zeros((c.num_layers, c.num_kv_heads, n, c.head_dim), self.dtype)
+            self.k = jnp.zeros(self.shapes()[0], self.dtype)
+            self.v = jnp.zeros(self.shapes()[1], self.dtype)
+            if self.shardings is not None:
+                self.k, self.v = jax.device_put(self.k, self.shardings[0]), jax.device_put(self.v, self.shardings[1])
+
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return kv_shapes(self.cfg, self.num_blocks * self.block)
+
+
+def kv_shapes(cfg: ModelConfig, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of a prefix cache's keys [L, Hkv, hd, slots] and values [L, Hkv, slots, hd]."""
+    return (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, slots), (cfg.num_layers, cfg.num_kv_heads, slots, cfg.head_dim)

@@ -27,7 +27,7 @@ from marl_jax.generate.prefill import prefill_chunks
 from marl_jax.generate.sampling import row_keys, sample_tokens
 from marl_jax.generate.types import DecodeState, SamplingParams
 from marl_jax.models import decoder, sharding
-from marl_jax.models.decoder import KVCache, ModelConfig, PagedCache
+from marl_jax.models.decoder import PREFIX_AXES, KVCache, ModelConfig, PagedCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,5 +301,7 @@ class Programs:
                 v = cache.v[:, rows, :, slots, :]  # [M, L, H, hd]
             pk = pk.at[:, :, :, dst].set(k.transpose(1, 2, 3, 0).astype(pk.dtype), mode="drop")
             pv = pv.at[:, :, dst, :].set(v.transpose(1, 2, 0, 3).astype(pv.dtype), mode="drop")
+            if self.pc.mesh is not None:  # the shardings the prefix cache starts with: one store program
+                pk, pv = (sharding.constrain(x, n, self.pc.mesh, self.pc.rules) for x, n in zip((pk, pv), PREFIX_AXES))
             return pk, pv
         return self._memo("store", lambda: jax.jit(store, donate_argnums=(0, 1)))

@@ -21,17 +21,18 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from marl_jax.generate import buckets
 from marl_jax.generate.block_pool import BlockPool
 from marl_jax.generate.buckets import length_bucket  # noqa: F401 (re-exported: the sampler's length rule)
 from marl_jax.generate.prefill import PREFILL_CHUNK
-from marl_jax.generate.prefix_cache import PrefixCache
+from marl_jax.generate.prefix_cache import PrefixCache, kv_shapes
 from marl_jax.generate.programs import ProgramConfig, Programs
 from marl_jax.generate.scheduler import Scheduler, SchedulerConfig, View
 from marl_jax.generate.types import CallShape, DecodeState, SampleOutput, SamplingParams  # noqa: F401 (re-exported)
 from marl_jax.models import attention as attn
-from marl_jax.models import sharding
+from marl_jax.models import decoder, sharding
 from marl_jax.models.decoder import ModelConfig
 from marl_jax.models.sharding import to_device, to_host
 
@@ -122,11 +123,23 @@ class Sampler:
                                           check_blocks=check_blocks)
         self.programs = Programs(ProgramConfig(cfg, self.spec, dtype, self.kv_dtype, pad_id, chunk, mesh, rules))
         self.stats: dict[str, Any] = {}
-        self.prefix_cache = (PrefixCache(cfg, -(-prefix_cache_tokens // prefix_block), prefix_block, self.kv_dtype)
-                             if prefix_cache_tokens > 0 else None)
+        self.prefix_cache = None
+        if prefix_cache_tokens > 0:
+            blocks = -(-prefix_cache_tokens // prefix_block)
+            shapes = kv_shapes(cfg, blocks * prefix_block)
+            shard = None if mesh is None else tuple(
+                NamedSharding(mesh, sharding.spec_for(n, x, mesh, rules)) for n, x in zip(decoder.PREFIX_AXES, shapes))
+            self.prefix_cache = PrefixCache(cfg, blocks, prefix_block, self.kv_dtype, shard)
         # Under a CallShape, the shared prefix each (slot, shape) was first prefilled with: later calls
         # share it or none, so their prefill is one of two programs, not one per prefix length.
         self.prefix_lens: dict[tuple, int] = {}
+
+    def put(self, value) -> jax.Array:
+        """A host value as a program's argument: on a mesh replicated over it (committed, so programs are compiled
+        for it and take it as it is, in the warm-up and in the calls alike)."""
+        if self.mesh is None:
+            return to_device(value)
+        return jax.device_put(value, NamedSharding(self.mesh, PartitionSpec()))
 
     @property
     def prefill_chunk(self) -> int:
@@ -267,64 +280,72 @@ class Sampler:
         prefix; the first call compiles the one with its prefix), the decode loop at every batch size compaction
         can reach (buckets.compaction_sizes) and every attention window, the compactions between those sizes and
         the prefix-cache store from each, and the prefills loading prefix-cache hits (buckets.cached_regions);
-        paged, the empty pool (one size per CallShape) and the insertion of the first rows into it.
-        Returns the programs compiled. Covers one device, dense or paged without a KV budget: under a budget
-        (admissions sized by the free blocks, preempted rows resumed) or over a mesh (arguments carrying
-        shardings) it compiles nothing and the run compiles as it goes. Calls beyond the shape (more rows than
+        paged, the empty pool (one size per CallShape) and the insertion of the first rows into it. On a mesh
+        each program is compiled for the shardings the one before it gives the state (so one after another).
+        Returns the programs compiled. Under a KV budget (admissions sized by the free blocks, preempted rows
+        resumed) it compiles nothing and the run compiles as it goes; calls beyond the shape (more rows than
         rollout.max_batch, which refill; longer prompts) compile what they need when met."""
         import concurrent.futures
 
-        if self.mesh is not None or self.kv_budget_bytes:
+        if self.kv_budget_bytes:
             return 0
         key = jax.random.PRNGKey(0) if key is None else key
-        sc, Tn, P = self.scheduling, length_bucket(sp.max_new_tokens), self.prompt_region(shape)
+        sc, Tn, P, D = self.scheduling, length_bucket(sp.max_new_tokens), self.prompt_region(shape), self.data_size
         B = sc.first_batch(shape.rows)
-        Bu = buckets.batch_bucket(min(shape.distinct, B), 1, self.data_size)
-        i32 = lambda *shape_: to_device(np.zeros(shape_, np.int32))
+        Bu = buckets.batch_bucket(min(shape.distinct, B), 1, D)
+        i32 = lambda *shape_: self.put(np.zeros(shape_, np.int32))
         slot_ = jnp.int32(slot)
+        lowered, compiled = [], []
+
+        def state_after(fn, *args):
+            """Lower `fn` (on a mesh, compile it) and return what it returns, abstract: on a mesh with the shardings
+            its compiled program gives it."""
+            low = fn.lower(*args)
+            if self.mesh is None:
+                lowered.append(low)
+                return low.out_info
+            compiled.append(low.compile())
+            return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                          compiled[-1].out_info)
+
         cache_len = P if self.paged else P + Tn  # paged: the prompt slots, then written into the pool
         prefill = self.programs.prefill(sp, cache_len, Tn)
-        args = (params, trainable, slot_, i32(0), i32(Bu, P), to_device(np.ones((Bu, P), bool)), i32(Bu), i32(B),
+        args = (params, trainable, slot_, i32(0), i32(Bu, P), self.put(np.ones((Bu, P), bool)), i32(Bu), i32(B),
                 i32(B), i32(B), key, None, None)
-        lowered = [prefill.lower(*args)]
+        state = state_after(prefill, *args)
         windows = buckets.call_windows(P, Tn, self.kv_block if self.paged else 0, self.kernel_decode())
         if self.paged:  # the first rows' prefill goes into an empty pool of the shape's one size
             blk = self.kv_block
             T = buckets.blocks_for(P + Tn, blk) * blk
-            N = buckets.shape_pool_blocks(B, shape.distinct, P, Tn, blk)
-            empty = self.programs.empty_paged(B, N, blk, T, 1, Tn)
-            insert = self.programs.paged_insert()
-            new, pool_state = jax.eval_shape(prefill, *args), jax.eval_shape(empty)
-            ins = (pool_state, new, i32(B), i32(B, T // blk), i32(B, T // blk), i32(B), i32(1, N), i32(1))
-            lowered += [empty.lower(), insert.lower(*ins)]
-            state = jax.eval_shape(insert, *ins)
-        else:
-            state = jax.eval_shape(prefill, *args)
+            N = buckets.shape_pool_blocks(B // D, shape.distinct, P, Tn, blk)
+            pool_state = state_after(self.programs.empty_paged(B, N, blk, T, D, Tn))
+            state = state_after(self.programs.paged_insert(), pool_state, state, i32(B), i32(B, T // blk),
+                                i32(B, T // blk), i32(B), i32(D, N), i32(D))
         gather = self.programs.gather()
         sizes = buckets.compaction_sizes(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else [B]
-        states = {b: state if b == B else jax.eval_shape(gather, state, i32(b), to_device(np.ones(b, bool)))
-                  for b in sizes}
+        moves = buckets.compaction_moves(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else []
+        states = {B: state}
+        for b, c in sorted(moves, key=lambda m: -m[0]):  # each size's state as the compaction onto it leaves it
+            states[c] = state_after(gather, states[b], i32(c), self.put(np.ones(c, bool)))
         pc = self.prefix_cache
         if pc is not None:  # prefills loading prefix-cache hits, at each cached region they may take
             pc.ensure()
             for C in buckets.cached_regions(P, pc.block):
-                hit = (params, trainable, slot_, i32(0), i32(Bu, P - C), to_device(np.ones((Bu, P - C), bool)),
+                hit = (params, trainable, slot_, i32(0), i32(Bu, P - C), self.put(np.ones((Bu, P - C), bool)),
                        i32(Bu), i32(B), i32(B), i32(B), key, (pc.k, pc.v, i32(Bu, C)), None)
-                lowered.append(prefill.lower(*hit))
-        moves = buckets.compaction_moves(B, sc.min_batch, sc.shards, sc.per_octave) if sc.compaction else []
-        lowered += [gather.lower(states[b], i32(c), to_device(np.ones(c, bool))) for b, c in moves]
+                state_after(prefill, *hit)
         for b in sizes:
             for w in windows:
-                fn = self.programs.decode(sp, P, w)
-                lowered.append(fn.lower(params, trainable, slot_, states[b], key, jnp.int32(0), jnp.int32(0)))
+                state_after(self.programs.decode(sp, P, w), params, trainable, slot_, states[b], key, jnp.int32(0),
+                            jnp.int32(0))
             if pc is not None:
                 m = buckets.STORE_CHUNK
-                lowered.append(self.programs.store().lower(pc.k, pc.v, states[b].cache, i32(m), i32(m), i32(m)))
-        # Traced above, one at a time (flax builds its transform classes while tracing, and that is not
-        # thread-safe); compiled in threads (XLA compiles outside the GIL).
+                state_after(self.programs.store(), pc.k, pc.v, states[b].cache, i32(m), i32(m), i32(m))
+        # One device: traced above, one at a time (flax builds its transform classes while tracing, and that is
+        # not thread-safe), and compiled here in threads (XLA compiles outside the GIL).
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as ex:
             list(ex.map(lambda low: low.compile(), lowered))
-        return len(lowered)
+        return len(lowered) + len(compiled)
 
     def _refuse_oversized(self, prompts, limits, pool: BlockPool):
         """A row whose prompt and completion need more blocks than the budget's pool holds would never run:
@@ -380,6 +401,11 @@ class DeviceRows:
     def _set(self, state: DecodeState):
         self.state, self._view = state, None
 
+    def _like(self, old: jax.Array, value: np.ndarray) -> jax.Array:
+        """A host value replacing a leaf of the state: on a mesh with that leaf's sharding, so the next program
+        meets the shardings its warm-up compiled for."""
+        return to_device(value) if self.s.mesh is None else jax.device_put(value, old.sharding)
+
     # ---- decode ----
 
     def _window(self, v: View) -> int:
@@ -407,7 +433,8 @@ class DeviceRows:
                 state = state._replace(cache=c._replace(k=k, v=vv))
                 self.stats["pool_grows"] += 1
             free, top = pool.device_free()
-            state = state._replace(cache=state.cache._replace(free=to_device(free), top=to_device(top)))
+            c = state.cache
+            state = state._replace(cache=c._replace(free=self._like(c.free, free), top=self._like(c.top, top)))
         fn = self.programs.decode(self.sp, self.lay.P, window)
         state, it = fn(self.params, self.trainable, jnp.int32(self.slot), state, self.key, jnp.int32(exit_at),
                        jnp.int32(max_steps))
@@ -448,7 +475,7 @@ class DeviceRows:
             new = self.prefill(prompts, ids, limits, Bg)
             dest = np.full(Bg, len(self.view().active), np.int32)
             dest[:len(rows)] = slots
-            self._set(self.programs.insert()(self.state, new, to_device(dest)))
+            self._set(self.programs.insert()(self.state, new, self.s.put(dest)))
         self.admit_s += time.perf_counter() - t0
 
     def prefill(self, prompts, row_ids, limits, B, cache_len=None, gens=None) -> DecodeState:
@@ -479,7 +506,7 @@ class DeviceRows:
             for j, b in enumerate(hits.get(p, ())):
                 src[u, j * pc.block:(j + 1) * pc.block] = b * pc.block + np.arange(pc.block)
         valid[len(uniq):, -1] = True  # filler rows: one dummy token so their softmax is well defined
-        kv_pool = (pc.k, pc.v, to_device(src)) if hits else None
+        kv_pool = (pc.k, pc.v, self.s.put(src)) if hits else None
         resume = None
         if gens is not None and any(x is not None for x in gens):
             g = np.zeros(B, np.int32)
@@ -490,16 +517,16 @@ class DeviceRows:
                     g[i] = len(x[0])
                     prev_t[i, :g[i]], prev_l[i, :g[i]] = x
             G = buckets.resume_slots(int(g.max()))
-            resume = (to_device(prev_t[:, :G]), to_device(prev_t), to_device(prev_l), to_device(g))
+            resume = (self.s.put(prev_t[:, :G]), self.s.put(prev_t), self.s.put(prev_l), self.s.put(g))
         rid = np.full(B, -1, np.int32)
         rid[:n] = row_ids
         max_len = np.zeros(B, np.int32)
         max_len[:n] = limits
         t0 = time.perf_counter()
         state = self.programs.prefill(self.sp, cache_len or lay.P + Tn, Tn)(
-            self.params, self.trainable, jnp.int32(self.slot), to_device(np.asarray(lay.prefix, np.int32)),
-            to_device(tokens), to_device(valid), to_device(offset), to_device(expand), to_device(max_len),
-            to_device(rid), self.key, kv_pool, resume)
+            self.params, self.trainable, jnp.int32(self.slot), self.s.put(np.asarray(lay.prefix, np.int32)),
+            self.s.put(tokens), self.s.put(valid), self.s.put(offset), self.s.put(expand), self.s.put(max_len),
+            self.s.put(rid), self.key, kv_pool, resume)
         jax.block_until_ready(state.token)
         st = self.stats
         st["prefill_s"] += time.perf_counter() - t0
@@ -555,8 +582,8 @@ class DeviceRows:
         sh = np.zeros(Bg, np.int32)
         sh[:n] = shard
         free, top = pool.device_free()
-        return self.programs.paged_insert()(state, new, to_device(to), to_device(table), to_device(write),
-                                            to_device(sh), to_device(free), to_device(top))
+        return self.programs.paged_insert()(state, new, self.s.put(to), self.s.put(table), self.s.put(write),
+                                            self.s.put(sh), self.s.put(free), self.s.put(top))
 
     # ---- rows out ----
 
@@ -599,8 +626,9 @@ class DeviceRows:
             self.pool.release(int(r) // per, table[r][table[r] > 0])
         table[done] = 0
         rid = np.where(done, -1, to_host(state.row_id)).astype(np.int32)
-        self._set(state._replace(row_id=to_device(rid), active=to_device(to_host(state.active) & ~done),
-                                 cache=state.cache._replace(table=to_device(table))))
+        self._set(state._replace(row_id=self._like(state.row_id, rid),
+                                 active=self._like(state.active, to_host(state.active) & ~done),
+                                 cache=state.cache._replace(table=self._like(state.cache.table, table))))
 
     def preempt(self, slot: int) -> int:
         st = self.state
@@ -613,7 +641,7 @@ class DeviceRows:
         return g
 
     def compact(self, idx: np.ndarray, keep: np.ndarray):
-        self._set(self.programs.gather()(self.state, to_device(idx), to_device(keep)))
+        self._set(self.programs.gather()(self.state, self.s.put(idx), self.s.put(keep)))
 
     def _store(self, rows: list[tuple[int, int]]):
         """Copy the full blocks of finished rows' sequences (prompt and completion but its last token, which
@@ -641,7 +669,7 @@ class DeviceRows:
         m = buckets.STORE_CHUNK  # one program whatever the count: chunks of m slots, the last padded
         for a in range(0, len(dst), m):
             pad = m - len(dst[a:a + m])
-            idx = [to_device(np.asarray(x[a:a + m] + [f] * pad, np.int32)) for x, f in
+            idx = [self.s.put(np.asarray(x[a:a + m] + [f] * pad, np.int32)) for x, f in
                    ((src_row, 0), (src_slot, 0), (dst, pc.num_blocks * pc.block))]
             pc.k, pc.v = self.programs.store()(pc.k, pc.v, self.state.cache, *idx)
         self.stats["stored_tokens"] += len(dst)

@@ -255,6 +255,8 @@ class PagedCache(NamedTuple):
 _POOL_AXES = ("act_kv_heads", "layers", "batch", None, None, None)
 PAGED_AXES = PagedCache(_POOL_AXES, _POOL_AXES, ("batch", None), ("batch", None), ("batch",))
 PagedCache.AXES = PAGED_AXES
+# The sampler's prefix cache: keys [L, Hkv, hd, n] and values [L, Hkv, n, hd], KV heads over "model".
+PREFIX_AXES = (("layers", "act_kv_heads", None, None), ("layers", "act_kv_heads", None, None))
 
 
 def init_paged(cfg: ModelConfig, blocks: int, block: int, batch: int, length: int, shards: int = 1,

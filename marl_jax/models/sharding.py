@@ -180,7 +180,7 @@ def constrain_state(state, mesh: Mesh, rules=None) -> Any:
     c = lambda x, names: constrain(x, names, mesh, rules)
     cache = type(state.cache)(*(c(x, n) for x, n in zip(state.cache, type(state.cache).AXES)))
     rest = {f: c(getattr(state, f), ("batch",) + (None,) * (getattr(state, f).ndim - 1))
-            for f in ("token", "pos", "active", "out_tokens", "out_logp", "row_id", "max_len")}
+            for f in ("token", "pos", "step", "active", "out_tokens", "out_logp", "row_id", "max_len")}
     return state._replace(cache=cache, **rest)
 
 
