@@ -366,3 +366,30 @@ def test_kv_dtype_sets_the_cache_bytes_as_the_sampler_stores_them():
     bf16 = P.slot_bytes(CFG, c, P.Mesh())
     assert bf16 * 2 == f32
     assert Sampler(CFG, kv_dtype=jnp.bfloat16, kv_block=16).block_bytes() == 16 * bf16
+
+
+def test_sampler_shapes_list_the_warm_up_s_windows_and_pool_by_backend():
+    """On TPU with a bfloat16 pool (paged by default) each stage decodes over one window, its row's whole
+    blocks (the kernel reads each row's length), in a pool of buckets.shape_pool_blocks; on CPU the dense cache's
+    windows and no pool; with float32 keys and values the paged windows are the dense ones in whole blocks."""
+    from marl_jax.generate import buckets
+
+    c = base_config("orch_workers", ROLES)
+    c.model.dtype = "bfloat16"
+    for role in ROLES:  # long completions after short prompts: the dense cache decodes over 3 windows
+        c.rollout.max_new_tokens[role] = 300
+    blk = int(c.rollout.kv_block)
+    c.rollout.prompt_tokens = 64
+    assert any(len(st["windows"]) == 3 for st in P.sampler_shapes(c, "cpu"))
+    for st in P.sampler_shapes(c, "tpu"):
+        P_, Tn = st["prompt_slots"], st["new_slots"]
+        assert st["windows"] == [buckets.blocks_for(P_ + Tn, blk) * blk], st
+        assert st["pool_blocks"] == buckets.shape_pool_blocks(
+            st["batch"], dict(P.call_shapes(c))[st["stage"]][1].distinct, P_, Tn, blk) > 0
+    for st in P.sampler_shapes(c, "cpu"):
+        assert st["windows"] == list(buckets.decode_windows(st["prompt_slots"], st["new_slots"])) and not st["pool_blocks"]
+    c.model.dtype, c.rollout.paged_kv = "float32", "true"
+    for st in P.sampler_shapes(c, "cpu"):
+        P_, Tn = st["prompt_slots"], st["new_slots"]
+        width = buckets.blocks_for(P_ + Tn, blk) * blk
+        assert st["windows"] == sorted({buckets.pool_window(w, blk, width) for w in buckets.decode_windows(P_, Tn)})
