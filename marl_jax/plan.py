@@ -234,11 +234,11 @@ def sampler_shapes(config, backend: str = "cpu") -> list[dict[str, Any]]:
     attention windows, the cached regions of prefills loading prefix-cache hits and, paged without a KV budget,
     the pool's one size in blocks (0: a dense cache), from the sampler's own rules (generate.buckets, its
     scheduler's config, the attention choice)."""
+    import jax.numpy as jnp
+
     from marl_jax.generate import buckets
     from marl_jax.generate.sampler import Sampler
     from marl_jax.generate.scheduler import SchedulerConfig
-    import jax.numpy as jnp
-
     from marl_jax.models import attention
 
     r = config.rollout
