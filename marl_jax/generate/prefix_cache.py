@@ -9,8 +9,10 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
-from marl_jax.models.decoder import ModelConfig
+from marl_jax.models import sharding
+from marl_jax.models.decoder import PREFIX_AXES, ModelConfig
 
 
 class PrefixCache:
@@ -25,11 +27,11 @@ class PrefixCache:
     parameters, so the cache empties whenever `generate` gets another params or trainable object.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block: int = 16, dtype=jnp.float32, shardings=None):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block: int = 16, dtype=jnp.float32, mesh=None, rules=None):
         if num_blocks < 1 or block < 1:
             raise ValueError(f"prefix cache needs num_blocks >= 1 and block >= 1, got {num_blocks}, {block}")
         self.cfg, self.num_blocks, self.block, self.dtype = cfg, num_blocks, block, dtype
-        self.shardings = shardings  # (keys', values') on a mesh: the ones the store program gives them too
+        self.mesh, self.rules = mesh, rules  # on a mesh: KV heads over "model", as the store program keeps them
         self.k = self.v = None
         self._owner: tuple = ()
         self.clear()
@@ -95,15 +97,10 @@ class PrefixCache:
 
     def ensure(self):
         if self.k is None:
-            self.k = jnp.zeros(self.shapes()[0], self.dtype)
-            self.v = jnp.zeros(self.shapes()[1], self.dtype)
-            if self.shardings is not None:
-                self.k, self.v = jax.device_put(self.k, self.shardings[0]), jax.device_put(self.v, self.shardings[1])
-
-    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return kv_shapes(self.cfg, self.num_blocks * self.block)
-
-
-def kv_shapes(cfg: ModelConfig, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of a prefix cache's keys [L, Hkv, hd, slots] and values [L, Hkv, slots, hd]."""
-    return (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, slots), (cfg.num_layers, cfg.num_kv_heads, slots, cfg.head_dim)
+            c, n = self.cfg, self.num_blocks * self.block
+            self.k = jnp.zeros((c.num_layers, c.num_kv_heads, c.head_dim, n), self.dtype)
+            self.v = jnp.zeros((c.num_layers, c.num_kv_heads, n, c.head_dim), self.dtype)
+            if self.mesh is not None:
+                put = lambda x, names: jax.device_put(x, NamedSharding(
+                    self.mesh, sharding.spec_for(names, x.shape, self.mesh, self.rules)))
+                self.k, self.v = (put(x, n) for x, n in zip((self.k, self.v), PREFIX_AXES))

@@ -27,12 +27,12 @@ from marl_jax.generate import buckets
 from marl_jax.generate.block_pool import BlockPool
 from marl_jax.generate.buckets import length_bucket  # noqa: F401 (re-exported: the sampler's length rule)
 from marl_jax.generate.prefill import PREFILL_CHUNK
-from marl_jax.generate.prefix_cache import PrefixCache, kv_shapes
+from marl_jax.generate.prefix_cache import PrefixCache
 from marl_jax.generate.programs import ProgramConfig, Programs
 from marl_jax.generate.scheduler import Scheduler, SchedulerConfig, View
 from marl_jax.generate.types import CallShape, DecodeState, SampleOutput, SamplingParams  # noqa: F401 (re-exported)
 from marl_jax.models import attention as attn
-from marl_jax.models import decoder, sharding
+from marl_jax.models import sharding
 from marl_jax.models.decoder import ModelConfig
 from marl_jax.models.sharding import to_device, to_host
 
@@ -123,13 +123,8 @@ class Sampler:
                                           check_blocks=check_blocks)
         self.programs = Programs(ProgramConfig(cfg, self.spec, dtype, self.kv_dtype, pad_id, chunk, mesh, rules))
         self.stats: dict[str, Any] = {}
-        self.prefix_cache = None
-        if prefix_cache_tokens > 0:
-            blocks = -(-prefix_cache_tokens // prefix_block)
-            shapes = kv_shapes(cfg, blocks * prefix_block)
-            shard = None if mesh is None else tuple(
-                NamedSharding(mesh, sharding.spec_for(n, x, mesh, rules)) for n, x in zip(decoder.PREFIX_AXES, shapes))
-            self.prefix_cache = PrefixCache(cfg, blocks, prefix_block, self.kv_dtype, shard)
+        self.prefix_cache = (PrefixCache(cfg, -(-prefix_cache_tokens // prefix_block), prefix_block, self.kv_dtype,
+                                         mesh, rules) if prefix_cache_tokens > 0 else None)
         # Under a CallShape, the shared prefix each (slot, shape) was first prefilled with: later calls
         # share it or none, so their prefill is one of two programs, not one per prefix length.
         self.prefix_lens: dict[tuple, int] = {}
