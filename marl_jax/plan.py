@@ -231,8 +231,9 @@ def call_shapes(config) -> dict[str, tuple[str, Any]]:
 def sampler_shapes(config, backend: str = "cpu") -> list[dict[str, Any]]:
     """Per stage, the sampler's compiled shapes at its CallShape on `backend` (what Sampler.warmup compiles): the
     prompt region P, the new-token bucket, the first batch and every batch size compaction reaches, the
-    attention windows, the cached regions of prefills loading prefix-cache hits and, paged without a KV budget,
-    the pool's one size in blocks (0: a dense cache), from the sampler's own rules (generate.buckets, its
+    attention windows, the cached regions of prefills loading prefix-cache hits, paged without a KV budget the
+    pool's one size in blocks (0: a dense cache) and, over rollout.max_batch, the refill chunk's rows and its
+    prefills' distinct prompts (0 and []: no refill), from the sampler's own rules (generate.buckets, its
     scheduler's config, the attention choice)."""
     import jax.numpy as jnp
 
@@ -256,7 +257,10 @@ def sampler_shapes(config, backend: str = "cpu") -> list[dict[str, Any]]:
                     "batch_sizes": buckets.compaction_sizes(B, sc.min_batch, 1, sc.per_octave),
                     "windows": list(buckets.call_windows(P, Tn, blk, kernel)),
                     "cached_regions": list(buckets.cached_regions(P, buckets.PREFIX_BLOCK)),
-                    "pool_blocks": buckets.shape_pool_blocks(B, shape.distinct, P, Tn, blk) if paged else 0})
+                    "pool_blocks": buckets.shape_pool_blocks(B, shape.distinct, P, Tn, blk) if paged else 0,
+                    # over max_batch, refills in chunks of refill_rows, their distinct prompts at these sizes
+                    "refill_rows": buckets.refill_rows(B) if shape.rows > B else 0,
+                    "refill_distinct": buckets.refill_distinct_sizes(buckets.refill_rows(B)) if shape.rows > B else []})
     return out
 
 
@@ -949,7 +953,9 @@ def format_plan(p: dict[str, Any]) -> str:
                      f"new slots, {st['distinct']} distinct of {st['batch']} rows, decode at batch "
                      f"{'/'.join(map(str, st['batch_sizes']))} x windows {'/'.join(map(str, st['windows']))}, "
                      f"prefix-cache hits prefilled at cached regions {'/'.join(map(str, st['cached_regions']))}"
-                     + (f", a paged pool of {st['pool_blocks']} blocks" if st.get("pool_blocks") else ""))
+                     + (f", a paged pool of {st['pool_blocks']} blocks" if st.get("pool_blocks") else "")
+                     + (f", refills of {st['refill_rows']} rows prefilling "
+                        f"{'/'.join(map(str, st['refill_distinct']))} distinct prompts" if st.get("refill_rows") else ""))
     if p.get("sampler_shapes"):
         lines.append("")
     lines.append(t_line("as configured", p["time"]))

@@ -198,3 +198,41 @@ def test_paged_calls_under_a_call_shape_run_warmed_programs_only(tiny):
         heads = [prompts[i] + out.row(i)[0][:3] for i in range(4)]  # later rounds extend earlier sequences
     assert compiled == 0
     assert len(sizes) == 1  # one pool size
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("prefix_cache", [0, 1024])
+def test_refilling_calls_under_a_call_shape_compile_nothing_after_the_first(tiny, paged, prefix_cache):
+    """A CallShape over max_batch refills: its refills run in chunks of one size (buckets.refill_rows) with
+    their distinct prompts at a few sizes, which the warm-up compiles (at each prefix-cache region) and the first
+    call compiles for the shared prefix it sets. Calls after the first compile nothing, and sample what one
+    batch holding every row samples."""
+    from marl_jax.generate.types import CallShape
+    from marl_jax.train import compiles
+
+    cfg, params, _ = tiny
+    shape = CallShape(rows=48, distinct=12, prompt=48)
+    kw = dict(pad_id=PAD, min_batch=2, prefix_cache_tokens=prefix_cache)
+    s = Sampler(cfg, max_batch=16, paged=paged, kv_block=8, **kw)
+    whole = Sampler(cfg, max_batch=64, **kw)  # every row in one batch: no refill
+    sp = SamplingParams(24, temperature=0.9)
+    assert s.warmup(params, sp, shape) > 0
+    rng = np.random.RandomState(5)
+    system = rng.randint(0, cfg.vocab_size, 20).tolist()  # a prefix every prompt shares (the first call sets it)
+    compiled = []
+    for r in range(3):
+        n = 48 - 8 * r
+        tasks = random_prompts(12, cfg.vocab_size, seed=20 + r, lo=4, hi=20)
+        prompts = [system + tasks[i // 4] for i in range(n)]  # 4 episodes per task, in order
+        limits = long_tail_limits(n, 24, seed=r)
+        key = jax.random.PRNGKey(r)
+        before = compiles.snapshot()
+        out = s.generate(params, prompts, key, sp, max_new_tokens=limits, shape=shape)
+        compiled.append(compiles.since(before)["all"].programs)
+        assert s.stats["refills"] > 0
+        if paged:
+            assert s.stats["pool_grows"] == 0
+        ref = whole.generate(params, prompts, key, sp, max_new_tokens=limits)
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"round {r}")
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    assert compiled[1:] == [0, 0], compiled

@@ -393,3 +393,8 @@ def test_sampler_shapes_list_the_warm_up_s_windows_and_pool_by_backend():
         P_, Tn = st["prompt_slots"], st["new_slots"]
         width = buckets.blocks_for(P_ + Tn, blk) * blk
         assert st["windows"] == sorted({buckets.pool_window(w, blk, width) for w in buckets.decode_windows(P_, Tn)})
+    for st in P.sampler_shapes(c, "cpu"):  # 512-1536 rows over max_batch 256: refills of an eighth of the batch
+        assert (st["batch"], st["refill_rows"], st["refill_distinct"]) == (256, 32, [1, 2, 4, 8, 16, 32]), st
+    c.rollout.max_batch = 2048
+    assert all(st["refill_rows"] == 0 and not st["refill_distinct"] for st in P.sampler_shapes(c, "cpu"))
+

@@ -55,6 +55,24 @@ def compaction_moves(B: int, minimum: int = 1, multiple: int = 1, per_octave: in
                    if (c := next_smaller_bucket(b, minimum, multiple, grid))}, reverse=True)
 
 
+def refill_rows(B: int, multiple: int = 1) -> int:
+    """Rows one refill prefills and inserts at a time under a CallShape (a call over rollout.max_batch: its
+    admissions after the first run in chunks of this many, padded): an eighth of the batch of B, bucketed.
+    One size, so the warm-up compiles a refilling call's programs before its first step."""
+    return min(B, batch_bucket(max(1, B // 8), 1, multiple))
+
+
+def refill_distinct(n: int, R: int, multiple: int = 1) -> int:
+    """Distinct prompts a refill chunk of R rows prefills for n distinct ones: a power of two (times `multiple`)
+    up to R, so at most twice the prompts and log2(R) + 1 programs."""
+    return min(R, batch_bucket(n, 1, multiple, per_octave=1))
+
+
+def refill_distinct_sizes(R: int, multiple: int = 1) -> list[int]:
+    """Every refill_distinct a chunk of R rows can take: the refill prefills the warm-up compiles."""
+    return sorted({refill_distinct(n, R, multiple) for n in range(1, R + 1)})
+
+
 def resume_slots(g: int) -> int:
     """Cache slots after the prompt that a preempted row's re-prefill covers: its g - 1 tokens, bucketed."""
     return length_bucket(max(g - 1, 1))

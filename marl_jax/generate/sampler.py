@@ -128,6 +128,7 @@ class Sampler:
         # Under a CallShape, the shared prefix each (slot, shape) was first prefilled with: later calls
         # share it or none, so their prefill is one of two programs, not one per prefix length.
         self.prefix_lens: dict[tuple, int] = {}
+        self._warm_prefixes: set[tuple] = set()  # (slot, shape, prefix) whose refill prefills compiled
 
     def put(self, value) -> jax.Array:
         """A host value as a program's argument: on a mesh replicated over it (committed, so programs are compiled
@@ -242,6 +243,7 @@ class Sampler:
         lay = self.layout(prompts, int(slot), shape)
         sc = self.scheduling
         B = sc.first_batch(max(len(prompts), shape.rows if shape else 0))
+        self._warm_refills(params, trainable, slot, sp, shape, lay, B, key)
         pool = None
         if self.paged:
             D, blk = self.data_size, self.kv_block
@@ -278,8 +280,10 @@ class Sampler:
         paged, the empty pool (one size per CallShape) and the insertion of the first rows into it. On a mesh
         each program is compiled for the shardings the one before it gives the state (so one after another).
         Returns the programs compiled. Under a KV budget (admissions sized by the free blocks, preempted rows
-        resumed) it compiles nothing and the run compiles as it goes; calls beyond the shape (more rows than
-        rollout.max_batch, which refill; longer prompts) compile what they need when met."""
+        resumed) it compiles nothing and the run compiles as it goes. A shape over rollout.max_batch refills: its
+        refill prefills (without a shared prefix and at each cached region; the first call compiles those with
+        the prefix it sets) and the insertion of a refill chunk. Calls beyond the shape (longer prompts) compile
+        what they need when met."""
         import concurrent.futures
 
         if self.kv_budget_bytes:
@@ -329,6 +333,16 @@ class Sampler:
                 hit = (params, trainable, slot_, i32(0), i32(Bu, P - C), self.put(np.ones((Bu, P - C), bool)),
                        i32(Bu), i32(B), i32(B), i32(B), key, (pc.k, pc.v, i32(Bu, C)), None)
                 state_after(prefill, *hit)
+        if shape.rows > B:  # refills, in chunks of R rows: their prefills, at every region, and the insertion
+            R = buckets.refill_rows(B, D)
+            regions = (0,) + (buckets.cached_regions(P, pc.block) if pc is not None else ())
+            for fn, args in self._refill_prefills(params, trainable, slot, sp, P, Tn, B, key, 0, regions):
+                new = state_after(fn, *args)
+            if self.paged:
+                state_after(self.programs.paged_insert(), states[B], new, i32(R), i32(R, T // blk), i32(R, T // blk),
+                            i32(R), i32(D, N), i32(D))
+            else:
+                state_after(self.programs.insert(), states[B], new, i32(R))
         for b in sizes:
             for w in windows:
                 state_after(self.programs.decode(sp, P, w), params, trainable, slot_, states[b], key, jnp.int32(0),
@@ -341,6 +355,38 @@ class Sampler:
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as ex:
             list(ex.map(lambda low: low.compile(), lowered))
         return len(lowered) + len(compiled)
+
+    def _refill_prefills(self, params, trainable, slot, sp, P, Tn, B, key, prefix: int, regions=(0,)):
+        """(program, arguments) of each prefill a refill of a batch of B rows under prompt region P can run
+        (DeviceRows.admit: chunks of buckets.refill_rows, distinct prompts at buckets.refill_distinct): with a
+        shared prefix of `prefix` tokens and no hits when the region is 0, else the region's prefix-cache hits."""
+        D, pc = self.data_size, self.prefix_cache
+        R = buckets.refill_rows(B, D)
+        i32 = lambda *shape_: self.put(np.zeros(shape_, np.int32))
+        prefill = self.programs.prefill(sp, P if self.paged else P + Tn, Tn)
+        for C in regions:
+            for bu in buckets.refill_distinct_sizes(R, D):
+                S = P - (C or prefix)
+                hit = (pc.k, pc.v, i32(bu, C)) if C else None
+                yield prefill, (params, trainable, jnp.int32(slot), i32(0 if C else prefix), i32(bu, S),
+                                self.put(np.ones((bu, S), bool)), i32(bu), i32(R), i32(R), i32(R), key, hit, None)
+
+    def _warm_refills(self, params, trainable, slot, sp, shape: CallShape, lay: PromptLayout, B: int, key):
+        """A call whose rows refill and whose prompts share the prefix its stage's first call set: compile that
+        prefix's refill prefills now (in threads), so later calls meet only compiled programs. Once per stage."""
+        import concurrent.futures
+
+        if self.kv_budget_bytes or not shape or shape.rows <= B or not lay.prefix:
+            return
+        done = (slot, shape, len(lay.prefix))
+        if done in self._warm_prefixes:
+            return
+        self._warm_prefixes.add(done)
+        P, Tn = self.prompt_region(shape), length_bucket(sp.max_new_tokens)
+        lowered = [fn.lower(*args) for fn, args in
+                   self._refill_prefills(params, trainable, slot, sp, P, Tn, B, key, len(lay.prefix))]
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda low: low.compile(), lowered))
 
     def _refuse_oversized(self, prompts, limits, pool: BlockPool):
         """A row whose prompt and completion need more blocks than the budget's pool holds would never run:
@@ -457,7 +503,19 @@ class DeviceRows:
 
     def admit(self, rows: Sequence[int], slots: np.ndarray):
         t0 = time.perf_counter()
-        rows = list(rows)
+        rows, slots = list(rows), np.asarray(slots)
+        # Under a CallShape, refills run in chunks of one size (buckets.refill_rows): programs the warm-up compiled.
+        step = buckets.refill_rows(self.B, self.s.data_size) if self.distinct and self.placed else len(rows)
+        for i in range(0, len(rows), step):
+            self._admit(rows[i:i + step], slots[i:i + step])
+        self.admit_s += time.perf_counter() - t0
+
+    def refill_batch(self, n: int) -> int:
+        """The batch a refill of n rows is prefilled at: the CallShape's chunk, else n's batch bucket."""
+        D = self.s.data_size
+        return buckets.refill_rows(self.B, D) if self.distinct else buckets.batch_bucket(n, 1, D)
+
+    def _admit(self, rows: list[int], slots: np.ndarray):
         prompts = [self.prompts[i] for i in rows]
         gens = [self.gens.pop(i, None) for i in rows]
         ids, limits = self.row_ids[rows], self.limits[rows]
@@ -466,12 +524,11 @@ class DeviceRows:
         elif self.state is None:  # the first rows: prefilled straight into the batch (slots 0..n-1)
             self._set(self.prefill(prompts, ids, limits, self.B))
         else:
-            Bg = buckets.batch_bucket(len(rows), 1, self.s.data_size)
+            Bg = self.refill_batch(len(rows))
             new = self.prefill(prompts, ids, limits, Bg)
             dest = np.full(Bg, len(self.view().active), np.int32)
             dest[:len(rows)] = slots
             self._set(self.programs.insert()(self.state, new, self.s.put(dest)))
-        self.admit_s += time.perf_counter() - t0
 
     def prefill(self, prompts, row_ids, limits, B, cache_len=None, gens=None) -> DecodeState:
         """Prefill `prompts` (rows row_ids) into a fresh state of B rows laid out by the call's layout, with a
@@ -487,7 +544,10 @@ class DeviceRows:
         # The distinct prompts at their own bucketed count (not min_batch: one long prompt is one row); the
         # first fill at the CallShape's count at least.
         first = not self.placed
-        Bu = buckets.batch_bucket(max(len(uniq), min(self.distinct, B) if first else 0), 1, s.data_size)
+        if self.distinct and not first:  # a CallShape's refill: one of a few sizes (the warm-up compiles them)
+            Bu = buckets.refill_distinct(len(uniq), B, s.data_size)
+        else:
+            Bu = buckets.batch_bucket(max(len(uniq), min(self.distinct, B) if first else 0), 1, s.data_size)
         C, S, cached, hits, pc = lay.C, lay.S, lay.cached, lay.hits, s.prefix_cache
         tokens = np.full((Bu, S), s.pad_id, np.int32)
         valid = np.zeros((Bu, S), bool)
@@ -557,7 +617,7 @@ class DeviceRows:
         B = self.state.active.shape[0]
         # The first rows under a CallShape fill the whole batch (the padded rows are dropped), as the dense
         # path's first prefill does: one program whatever the call's rows.
-        Bg = B if self.distinct and not self.placed else buckets.batch_bucket(n, 1, self.s.data_size)
+        Bg = B if self.distinct and not self.placed else self.refill_batch(n)
         new = self.prefill(prompts, row_ids, limits, Bg, cache_len=P + G, gens=gens + [None] * (Bg - n))
         shard = np.asarray(dest) // (B // pool.shards)
         keys = [(tuple(p), len(p)) for p in prompts]
