@@ -119,3 +119,42 @@ def test_episodes_share_their_prompt_when_prefilled_again(tiny):
     st = s.stats
     assert st["preemptions"] >= 2 and st["resumed_rows"] > st["resume_prefills"], st
     assert st["recomputed_prompt_tokens"] == st["resume_prefills"] * len(prompt), st
+
+
+def test_budgeted_calls_under_a_call_shape_compile_nothing_after_the_warm_up(tiny):
+    """Under a KV budget and a CallShape over max_batch, the pool is the budget's one size, the first rows fill
+    the whole batch and later admissions run in refill chunks, whatever the free blocks let in: calls that
+    preempt no row compile nothing after the warm-up (a preempted row's prefill of its tokens compiles when
+    met) and sample what an unbudgeted batch of every row samples."""
+    from marl_jax.generate import buckets
+    from marl_jax.generate.types import CallShape
+    from marl_jax.train import compiles
+
+    cfg, params, _ = tiny
+    shape = CallShape(rows=48, distinct=12, prompt=48)
+    s = _budgeted(cfg, blocks=60, blk=8, max_batch=16, min_batch=2, prefix_cache_tokens=1024)
+    whole = Sampler(cfg, pad_id=PAD, max_batch=64, min_batch=2, prefix_cache_tokens=1024)
+    sp = SamplingParams(24, temperature=0.9)
+    P, Tn = Sampler.prompt_region(shape), buckets.length_bucket(24)
+    assert s.pool_blocks(16, P, Tn, shape) == 60 < buckets.shape_pool_blocks(16, 12, P, Tn, 8)  # the budget binds
+    assert s.warmup(params, sp, shape) > 0
+    rng = np.random.RandomState(5)
+    system = rng.randint(0, cfg.vocab_size, 20).tolist()
+    calls, fill = [], 0.0
+    for r in range(4):
+        n = 48 - 8 * (r % 2)
+        tasks = random_prompts(12, cfg.vocab_size, seed=40 + r, lo=4, hi=20)
+        prompts = [system + tasks[i // 4] for i in range(n)]
+        limits = long_tail_limits(n, 24, seed=r)
+        key = jax.random.PRNGKey(r)
+        before = compiles.snapshot()
+        out = s.generate(params, prompts, key, sp, max_new_tokens=limits, shape=shape)
+        calls.append((compiles.since(before)["all"].programs, s.stats["preemptions"]))
+        fill = max(fill, s.stats["peak_kv_live_bytes"] / s.stats["peak_kv_bytes"])
+        assert s.stats["refills"] > 0 and s.stats["pool_grows"] == 0
+        ref = whole.generate(params, prompts, key, sp, max_new_tokens=limits)
+        np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=f"call {r}")
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    later = [c for c, preempted in calls[1:] if not preempted]
+    assert len(later) >= 2 and not any(later), calls
+    assert fill >= 0.9, fill  # admissions waited for blocks: the pool ran nearly full

@@ -249,10 +249,8 @@ class Sampler:
             D, blk = self.data_size, self.kv_block
             T = buckets.blocks_for(lay.P + Tn, blk) * blk
             full = buckets.full_pool_blocks(B // D, lay.P, Tn, blk)
-            if self.kv_budget_bytes:  # a fixed pool: the budget's blocks
-                blocks = buckets.budget_pool_blocks(self.kv_budget_bytes, self.block_bytes(), full)
-            elif shape is not None:  # one size per CallShape (every row at its limit): its programs compile once
-                blocks = buckets.shape_pool_blocks(B // D, shape.distinct, lay.P, Tn, blk)
+            if self.kv_budget_bytes or shape is not None:  # one size: its programs compile once
+                blocks = self.pool_blocks(B, lay.P, Tn, shape)
             else:  # per shard, a first pool for its first rows' prompts; it grows as rows need more
                 first = prompts[:B]
                 distinct = max(len({tuple(p) for p in first[d * (B // D):(d + 1) * (B // D)]}) for d in range(D))
@@ -279,15 +277,13 @@ class Sampler:
         the prefix-cache store from each, and the prefills loading prefix-cache hits (buckets.cached_regions);
         paged, the empty pool (one size per CallShape) and the insertion of the first rows into it. On a mesh
         each program is compiled for the shardings the one before it gives the state (so one after another).
-        Returns the programs compiled. Under a KV budget (admissions sized by the free blocks, preempted rows
-        resumed) it compiles nothing and the run compiles as it goes. A shape over rollout.max_batch refills: its
+        Returns the programs compiled. Under a KV budget the pool is the budget's; rows it preempts come back
+        through prefills of their tokens, which compile when met. A shape over rollout.max_batch refills: its
         refill prefills (without a shared prefix and at each cached region; the first call compiles those with
         the prefix it sets) and the insertion of a refill chunk. Calls beyond the shape (longer prompts) compile
         what they need when met."""
         import concurrent.futures
 
-        if self.kv_budget_bytes:
-            return 0
         key = jax.random.PRNGKey(0) if key is None else key
         sc, Tn, P, D = self.scheduling, length_bucket(sp.max_new_tokens), self.prompt_region(shape), self.data_size
         B = sc.first_batch(shape.rows)
@@ -316,7 +312,7 @@ class Sampler:
         if self.paged:  # the first rows' prefill goes into an empty pool of the shape's one size
             blk = self.kv_block
             T = buckets.blocks_for(P + Tn, blk) * blk
-            N = buckets.shape_pool_blocks(B // D, shape.distinct, P, Tn, blk)
+            N = self.pool_blocks(B, P, Tn, shape)
             pool_state = state_after(self.programs.empty_paged(B, N, blk, T, D, Tn))
             state = state_after(self.programs.paged_insert(), pool_state, state, i32(B), i32(B, T // blk),
                                 i32(B, T // blk), i32(B), i32(D, N), i32(D))
@@ -356,6 +352,15 @@ class Sampler:
             list(ex.map(lambda low: low.compile(), lowered))
         return len(lowered) + len(compiled)
 
+    def pool_blocks(self, B: int, P: int, Tn: int, shape: CallShape | None) -> int:
+        """A row shard's paged pool of one size for a batch of B rows under prompt region P: the KV budget's blocks
+        (fixed), else under a CallShape the shape's (every row at its limit, never grown)."""
+        D, blk = self.data_size, self.kv_block
+        full = buckets.full_pool_blocks(B // D, P, Tn, blk)
+        if self.kv_budget_bytes:
+            return buckets.budget_pool_blocks(self.kv_budget_bytes, self.block_bytes(), full)
+        return buckets.shape_pool_blocks(B // D, shape.distinct, P, Tn, blk)
+
     def _refill_prefills(self, params, trainable, slot, sp, P, Tn, B, key, prefix: int, regions=(0,)):
         """(program, arguments) of each prefill a refill of a batch of B rows under prompt region P can run
         (DeviceRows.admit: chunks of buckets.refill_rows, distinct prompts at buckets.refill_distinct): with a
@@ -376,7 +381,7 @@ class Sampler:
         prefix's refill prefills now (in threads), so later calls meet only compiled programs. Once per stage."""
         import concurrent.futures
 
-        if self.kv_budget_bytes or not shape or shape.rows <= B or not lay.prefix:
+        if not shape or shape.rows <= B or not lay.prefix:
             return
         done = (slot, shape, len(lay.prefix))
         if done in self._warm_prefixes:
