@@ -7,3 +7,6 @@ __version__ = "0.1.0"
 from marl_jax import jax_setup as _jax_setup
 
 _jax_setup.keep_libtpu_out()
+# Under glibc tuned never to mmap (the launcher's allocator), one-device programs run on the calling thread so
+# their temporaries come from the heap that keeps its pages (jax_setup.inline_dispatch).
+_jax_setup.inline_dispatch()

@@ -148,10 +148,13 @@ def enable_compilation_cache(path: str | None = None) -> str:
 # temporaries in again, 4 KiB at a time: ~700k page faults and ~1.1 s of kernel time in a 7 s update
 # step (benchmarks/train_step.py), 3.3 s per thread right after a PyTorch step in the same process.
 # tcmalloc keeps freed pages for reuse (TPU VM images preload tcmalloc for the same reason);
-# so does glibc itself once told never to mmap (mmap_max=0), never to trim the heap, and to serve every
-# thread from its one brk heap (arena_max=1: other arenas' heaps are capped at 64 MiB, beyond which
-# glibc maps chunks directly again). The launcher restarts itself once under tcmalloc when installed,
-# else under glibc with those tunables, which needs no library (use_fast_allocator).
+# so does glibc itself once told never to mmap (mmap_max=0) and never to trim the heap, for what the main
+# heap serves. Other threads' arenas are capped at 64 MiB, beyond which glibc maps chunks directly again, so
+# one-device programs then run on the calling thread (inline_dispatch), whose allocations come from the main
+# heap. (arena_max=1, serving every thread from the main heap, did the same at the cost of lock contention:
+# 10-15% slower updates and 2.7 GB more resident in benchmarks/train_step.py, docs/performance.md.)
+# The launcher restarts itself once under tcmalloc when installed, else under glibc with those tunables,
+# which needs no library (use_fast_allocator).
 MALLOC_ENV = "MARL_JAX_MALLOC"
 _REEXEC_ENV = "_MARL_JAX_MALLOC_REEXEC"
 _TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so")
@@ -159,8 +162,7 @@ _MIMALLOC = ("libmimalloc.so.3", "libmimalloc.so.2", "libmimalloc.so")
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 _KNOWN = ("tcmalloc", "mimalloc", "jemalloc")  # allocators loaded_allocator() names from /proc/self/maps
 # glibc's own allocator without the per-call faults (see above); no extra library.
-GLIBC_TUNABLES = ("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776:"
-                  "glibc.malloc.arena_max=1")
+GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
 # Set by the restart unless already set: keep freed pages with the process rather than hand them back to
 # the kernel bit by bit (gperftools' default release rate 1 faults some temporaries in again; mimalloc 3
 # decommits memory left free for 1 s, e.g. the update's temporaries while the next step samples).
@@ -326,3 +328,22 @@ def use_fast_allocator() -> str:
 
 
 use_tcmalloc = use_fast_allocator  # the name the benchmarks call
+
+
+def inline_dispatch(environ=None) -> bool:
+    """Run one-device CPU programs on the calling thread (jax_cpu_enable_async_dispatch=False) when glibc
+    never maps (glibc.malloc.mmap_max=0 in $GLIBC_TUNABLES): their temporaries then come from the main
+    heap, which keeps its pages, rather than from a worker thread's arena, which maps them afresh at every
+    call. Runs on `import marl_jax`, before JAX makes its backends (the flag is read then); a no-op after.
+    Returns whether it set the flag."""
+    environ = os.environ if environ is None else environ
+    if "glibc.malloc.mmap_max=0" not in _malloc_tunables(environ).split(":"):
+        return False
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return False
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return True
+

@@ -242,3 +242,16 @@ def test_launcher_reports_its_allocator(tmp_path, malloc):
     want = choose_allocator({MALLOC_ENV: malloc}).name if sys.platform.startswith("linux") else "glibc"
     first = p.stdout.splitlines()[0]
     assert first.startswith("workflow=") and first.endswith(f"allocator={want}"), p.stdout
+
+
+@pytest.mark.parametrize("tunables, inline", [("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1", True),
+                                              ("glibc.malloc.arena_max=2", False), ("", False)])
+def test_programs_run_inline_where_glibc_never_maps(tunables, inline):
+    """Under tunables that never mmap, `import marl_jax` turns JAX's asynchronous CPU dispatch off (the calling
+    thread's temporaries come from the main heap, which keeps its pages); elsewhere JAX's default stays."""
+    script = ("import marl_jax, jax\nfrom jax._src import xla_bridge\n"
+              "print(not xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value)")
+    env = clean_env(GLIBC_TUNABLES=tunables, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == str(inline)
