@@ -141,7 +141,7 @@ def test_budgeted_calls_under_a_call_shape_compile_nothing_after_the_warm_up(tin
     rng = np.random.RandomState(5)
     system = rng.randint(0, cfg.vocab_size, 20).tolist()
     calls, fill = [], 0.0
-    for r in range(4):
+    for r in range(3):
         n = 48 - 8 * (r % 2)
         tasks = random_prompts(12, cfg.vocab_size, seed=40 + r, lo=4, hi=20)
         prompts = [system + tasks[i // 4] for i in range(n)]

@@ -200,8 +200,7 @@ def test_paged_calls_under_a_call_shape_run_warmed_programs_only(tiny):
     assert len(sizes) == 1  # one pool size
 
 
-@pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("prefix_cache", [0, 1024])
+@pytest.mark.parametrize("paged, prefix_cache", [(False, 1024), (True, 0)])
 def test_refilling_calls_under_a_call_shape_compile_nothing_after_the_first(tiny, paged, prefix_cache):
     """A CallShape over max_batch refills: its refills run in chunks of one size (buckets.refill_rows) with
     their distinct prompts at a few sizes, which the warm-up compiles (at each prefix-cache region) and the first
