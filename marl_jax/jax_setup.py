@@ -346,4 +346,3 @@ def inline_dispatch(environ=None) -> bool:
         return False
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     return True
-

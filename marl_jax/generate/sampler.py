@@ -381,7 +381,7 @@ class Sampler:
         prefix's refill prefills now (in threads), so later calls meet only compiled programs. Once per stage."""
         import concurrent.futures
 
-        if not shape or shape.rows <= B or not lay.prefix:
+        if shape is None or shape.rows <= B or not lay.prefix:
             return
         done = (slot, shape, len(lay.prefix))
         if done in self._warm_prefixes:
