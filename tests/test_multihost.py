@@ -53,3 +53,11 @@ def test_two_processes_train_like_one_process_on_the_same_mesh(tmp_path, prompt_
                 continue
             assert math.isclose(v, b[k], rel_tol=1e-5, abs_tol=1e-6), (k, v, b[k])
     assert any(k.startswith("grad/") and a[k] > 0 for a in multi for k in a)  # the update really ran
+    # Compile once on several processes too: the warm-up (update and sampler, one program at a time on each
+    # process) compiles what the steps run, so no step compiles (nor loads from the cache): only the first
+    # validation, before step 1, runs programs of its own.
+    for recs in (multi, ref):
+        assert recs[1]["warmup_programs"] > 0
+        late = {(r["step"], k): r[k] for r in recs[1:] for k in r
+                if k.split("/")[-1] in ("compile_programs", "compile_cache_hits") and r[k]}
+        assert not late, f"compiled after the warm-up: {late}"

@@ -276,8 +276,8 @@ class Sampler:
         can reach (buckets.compaction_sizes) and every attention window, the compactions between those sizes and
         the prefix-cache store from each, and the prefills loading prefix-cache hits (buckets.cached_regions);
         paged, the empty pool (one size per CallShape) and the insertion of the first rows into it. On a mesh
-        each program is compiled for the shardings the one before it gives the state (so one after another).
-        Returns the programs compiled. Under a KV budget the pool is the budget's; rows it preempts come back
+        each program is compiled for the shardings the one before it gives the state (so one after another); on
+        several processes the loop's host reads (all-gathers) run too. Returns the programs compiled. Under a KV budget the pool is the budget's; rows it preempts come back
         through prefills of their tokens, which compile when met. A shape over rollout.max_batch refills: its
         refill prefills (without a shared prefix and at each cached region; the first call compiles those with
         the prefix it sets) and the insertion of a refill chunk. Calls beyond the shape (longer prompts) compile
@@ -350,7 +350,23 @@ class Sampler:
         # not thread-safe), and compiled here in threads (XLA compiles outside the GIL).
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as ex:
             list(ex.map(lambda low: low.compile(), lowered))
-        return len(lowered) + len(compiled)
+        return len(lowered) + len(compiled) + self._warm_host_reads(states.values())
+
+    def _warm_host_reads(self, states) -> int:
+        """Several processes: the host reads of a state split over them (to_host) are all-gathers, a program
+        per shape; runs those the call's loop makes at each batch size (on zeros). Returns the programs."""
+        if self.mesh is None or jax.process_count() == 1:
+            return 0
+        seen = {}
+        for st in states:
+            reads = [st.row_id, st.active, st.step, st.pos, st.out_tokens, st.out_logp]
+            if self.paged:
+                reads += [st.cache.table, st.cache.top]
+            for x in reads:
+                seen.setdefault((x.shape, x.dtype, x.sharding), x)
+        for x in seen.values():
+            to_host(jax.make_array_from_callback(x.shape, x.sharding, lambda idx, x=x: np.zeros(x.shape, x.dtype)[idx]))
+        return len(seen)
 
     def pool_blocks(self, B: int, P: int, Tn: int, shape: CallShape | None) -> int:
         """A row shard's paged pool of one size for a batch of B rows under prompt region P: the KV budget's blocks

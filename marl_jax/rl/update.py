@@ -600,23 +600,32 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
         # thread-safe); compiled in threads (XLA compiles outside the GIL).
         lowered = [fns["item"].lower(*item_args(key), shape=key.shape) for key in keys]
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
+            items = list(pool.map(lambda low: low.compile(), lowered))
         # The accumulators and the optimizer step: their shapes follow the weights and the stats, not the items.
-        out = jax.eval_shape(lambda *a: fns["item"](*a, shape=keys[0].shape), *item_args(keys[0]))
-        acc = jax.eval_shape(fns["zero"], state.trainable, out.stats)
+        out = _outputs(lowered[0], items[0], mesh)
+        zero = [fns["zero"].lower(state.trainable, stats) for stats in (out.stats, None)]
+        acc = [_outputs(low, low.compile(), mesh) for low in zero]  # after an item; with none (no trained row)
         scalar = put(np.int32(0), rows_first=False)
-        fns["zero"].lower(state.trainable, out.stats).compile()
-        fns["zero"].lower(state.trainable, None).compile()
-        fns["accumulate"].lower(acc, out, slot, scalar, scalar).compile()
-        fns["finish"].lower(state, acc, put(np.ones(S, np.float32), rows_first=False)).compile()
-        fns["finish"].lower(state, jax.eval_shape(fns["zero"], state.trainable, None),
-                            put(np.ones(S, np.float32), rows_first=False)).compile()
+        fns["accumulate"].lower(acc[0], out, slot, scalar, scalar).compile()
+        for a in acc:
+            fns["finish"].lower(state, a, put(np.ones(S, np.float32), rows_first=False)).compile()
         return len(keys) + 5
 
     step.item_programs = lambda: programs["item"]._cache_size() if programs else 0
     step.shapes = shapes
     step.warmup = warmup
     return step
+
+
+def _outputs(lowered, compiled, mesh):
+    """A compiled program's outputs as abstract values that later programs are lowered on, as a step's calls
+    meet them: on a mesh with the shardings the program returns (an abstract value without one is another jit
+    cache key, and the call compiles again); on one device without any (a device's sharding is one too)."""
+    if mesh is None:
+        return lowered.out_info
+    return jax.tree_util.tree_map(
+        lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh, weak_type=getattr(o, "weak_type", False)),
+        lowered.out_info, compiled.output_shardings)
 
 
 def _packed(ucfg: UpdateConfig, batch: TrainBatch) -> TrainBatch:

@@ -269,9 +269,8 @@ class Trainer:
         with compiles.part("update"):
             for fn in dict.fromkeys((self.step_fn, self.plain_step_fn)):
                 fn.warmup(self.state, self.rt.base, T, W, workers=workers)
-        if jax.process_count() == 1:
-            self.rollout_sampler(self.key).warmup({st: role for st, (role, _) in self.call_shapes.items()},
-                                                  self.rt.role_to_slot, self.rt.max_new_tokens(), workers=workers)
+        self.rollout_sampler(self.key).warmup({st: role for st, (role, _) in self.call_shapes.items()},
+                                              self.rt.role_to_slot, self.rt.max_new_tokens(), workers=workers)
         d = compiles.since(before)["all"]
         return {"warmup_s": time.perf_counter() - t0, "warmup_programs": d.programs, "warmup_compile_s": d.seconds}
 
