@@ -200,6 +200,26 @@ def test_paged_calls_under_a_call_shape_run_warmed_programs_only(tiny):
     assert len(sizes) == 1  # one pool size
 
 
+def test_prompts_over_a_call_shape_still_sample_and_name_the_knob_once(tiny, caplog):
+    """A call whose prompts outgrow its CallShape's prompt region runs (compiling what it needs, not refused)
+    and says once per shape which setting keeps such calls in the warm-up's programs."""
+    from marl_jax.generate.types import CallShape
+
+    cfg, params, _ = tiny
+    shape = CallShape(rows=4, distinct=4, prompt=8)
+    s = Sampler(cfg, pad_id=PAD, max_batch=4, min_batch=2)
+    sp = SamplingParams(6, temperature=0.0)
+    prompts = random_prompts(4, cfg.vocab_size, seed=2, lo=30, hi=40)
+    ref = Sampler(cfg, pad_id=PAD, max_batch=4, min_batch=2).generate(params, prompts, jax.random.PRNGKey(0), sp)
+    with caplog.at_level("WARNING", logger="marl_jax.generate.sampler"):
+        for _ in range(2):
+            out = s.generate(params, prompts, jax.random.PRNGKey(0), sp, shape=shape)
+            np.testing.assert_array_equal(out.tokens, ref.tokens)
+    said = [r.getMessage() for r in caplog.records if "rollout.prompt_tokens" in r.getMessage()]
+    longest = max(len(p) for p in prompts)
+    assert len(said) == 1 and f"a prompt of {longest} tokens" in said[0] and f"by {longest - 8}" in said[0], said
+
+
 @pytest.mark.parametrize("paged, prefix_cache", [(False, 1024), (True, 0)])
 def test_refilling_calls_under_a_call_shape_compile_nothing_after_the_first(tiny, paged, prefix_cache):
     """A CallShape over max_batch refills: its refills run in chunks of one size (buckets.refill_rows) with

@@ -15,6 +15,7 @@ greedy decoding against transformers' generate).
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, NamedTuple, Sequence
 
@@ -35,6 +36,21 @@ from marl_jax.models import attention as attn
 from marl_jax.models import sharding
 from marl_jax.models.decoder import ModelConfig
 from marl_jax.models.sharding import to_device, to_host
+
+
+_log = logging.getLogger(__name__)
+_over_said: set = set()
+
+
+def _over_shape(shape: CallShape, longest: int, P: int) -> None:
+    """Says once per CallShape that a call's prompts outgrow it: that call compiles programs the warm-up did not."""
+    if shape in _over_said:
+        return
+    _over_said.add(shape)
+    _log.warning(f"a prompt of {longest} tokens is over the {shape.prompt} its sampler call was sized for "
+                 f"(--config.rollout.prompt_tokens, plus earlier stages' completions): this call compiles programs "
+                 f"for a prompt region of {P}. Raise --config.rollout.prompt_tokens by {longest - shape.prompt} "
+                 f"or more to keep every call in the warm-up's programs.")
 
 
 class PromptLayout(NamedTuple):
@@ -224,6 +240,8 @@ class Sampler:
         # decode programs (the cache window P + Tn), so a step whose prompts share a longer prefix reuses them.
         P = length_bucket(C + max(len(p) - cached.get(p, 0) for p in uniq))
         if shape is not None:
+            if P > self.prompt_region(shape):
+                _over_shape(shape, max(len(p) for p in uniq), P)
             P = max(P, self.prompt_region(shape))
         return PromptLayout(hits, cached, C, P - C, tuple(prefix))
 
