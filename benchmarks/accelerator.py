@@ -26,8 +26,11 @@ Prints JSON lines (and appends them to --out):
       bfloat16's own error as the yardstick;
   {"bench": "attention", "tokens": T, ...}: forward + backward of one row of T tokens per implementation:
       seconds, useful TFLOP/s (the causal half of the scores) and XLA's temporaries for the gradient;
-  {"bench": "e2e", ...}: one orch_workers training step (marl_jax.train.loop.Trainer.train_step)
-      on random weights and a small JSONL task file, split into sampler / reward / update seconds.
+  {"bench": "e2e", ...}: orch_workers training steps (marl_jax.train.loop.Trainer.train_step) after the
+      trainer's warm-up, on random weights and a small JSONL task file, at the prompt and completion limits
+      of --e2e_preset (the paper's qwen3-0.6b,math: 512 + 5,120 tokens; a random model never stops, so every
+      row runs to the limit) with --e2e_tasks tasks of its 8 episodes: step time split into sampler / reward /
+      update / compile seconds, tokens/s, and the planner's roofline for the same step on this chip beside it.
 Each timing follows a warm-up call (compilation excluded, reported separately as *_first_s).
 `--small` shrinks every shape so the whole script runs on CPU in well under a minute (a test runs it).
 
@@ -72,7 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--decode_batches", default="", help="only these decode batch sizes (default: every shape)")
     p.add_argument("--decode_models", default="", help="decode models (default Qwen/Qwen3-0.6B,Qwen/Qwen3-1.7B)")
     p.add_argument("--skip_hf", action="store_true", help="decode: no transformers generate beside the sampler")
-    p.add_argument("--e2e_steps", type=int, default=2, help="training steps of the end-to-end part (the first compiles)")
+    p.add_argument("--e2e_steps", type=int, default=2, help="training steps of the end-to-end part")
+    p.add_argument("--e2e_preset", default="qwen3-0.6b,math",
+                   help="orch_workers preset whose prompt and completion limits the end-to-end step takes")
+    p.add_argument("--e2e_tasks", type=int, default=1, help="tasks per end-to-end step (each with the preset's episodes)")
+    p.add_argument("--e2e_new_tokens", type=int, default=0, help="completion limit per role (0: the preset's)")
     return p.parse_args(argv)
 
 
@@ -377,17 +384,18 @@ def bench_attention(small: bool, lengths, reps: int):
     return recs
 
 
-def bench_e2e(cfg, params, small: bool, reps: int):
+def bench_e2e(cfg, params, small: bool, reps: int, preset: str = "", tasks: int = 1, new_tokens: int = 0,
+              chip: str | None = None):
     try:
         import ml_collections  # noqa: F401  (the config schema)
         import math_verify  # noqa: F401  (the math grader)
     except ImportError as e:
         return {"bench": "e2e", "skipped": f"missing package {e.name}: install it (see benchmarks/accelerator_device.sh)"}
-    import jax
     import numpy as np
 
     from marl_jax.configs.orch_workers import get_config
     from marl_jax.models.loading import LoadedModel
+    from marl_jax.plan import CHIPS, plan
     from marl_jax.train.loop import Trainer
 
     tok = word_tokenizer(cfg.vocab_size)
@@ -398,39 +406,40 @@ def bench_e2e(cfg, params, small: bool, reps: int):
         for i in range(64):
             a, b = rng.randint(0, 50, 2)
             f.write(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
-    c = get_config()
+    c = get_config("" if small else preset)  # small: the CPU preset
     c.task.update(source="file", path=path, question_key="problem", answer_key="answer", size=48, val_size=16,
                   extraction="last_number")
     c.model.dtype = "bfloat16"
-    c.num_tasks = 2 if small else 8
-    c.rollout.group_size = 2 if small else 8
-    for r in c.rollout.max_new_tokens:
-        c.rollout.max_new_tokens[r] = 8 if small else 256
+    if small:
+        c.num_tasks, c.rollout.group_size, c.rollout.prompt_tokens = 2, 2, 256  # this tokenizer's prompts fit
+        for r in c.rollout.max_new_tokens:
+            c.rollout.max_new_tokens[r] = 8
+    else:
+        c.num_tasks = tasks
+        for r in c.rollout.max_new_tokens:
+            c.rollout.max_new_tokens[r] = new_tokens or c.rollout.max_new_tokens[r]
     c.trainable.update(rank=8 if small else 64, alpha=32.0)
     # An entropy bonus keeps rows whose advantage is 0 (a random model rarely varies its reward), so the
     # update trains every sampled row, as it would on a model that solves some of the tasks.
     c.grpo.update(remat="full", micro_batch=8, entropy_coef=1e-4)
-    c.train.update(steps=1, tensorboard=False, plots=False)
+    c.train.update(steps=1 + reps, tensorboard=False, plots=False)
     trainer = Trainer(c, workdir, model=LoadedModel(cfg, params, tok, "random-qwen3-0.6b-shapes"), progress=False)
-    compiled = [0.0]  # XLA compile seconds, from jax's own compile events
-
-    def on_event(name, secs, **_):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiled[0] += secs
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    recs = []
-    for step in range(1 + reps):
-        t, c0 = time.perf_counter(), compiled[0]
-        rec = trainer.train_step(step)
-        rec["wall_s"] = time.perf_counter() - t
-        rec["compile_s"] = compiled[0] - c0
-        recs.append(rec)
+    warm = trainer.warmup()  # as launch/run.py does before step 1
+    recs = [trainer.train_step(step) for step in range(1 + reps)]
     best = min(recs[1:], key=lambda r: r["step_s"]) if len(recs) > 1 else recs[0]
     keys = ("step_s", "sampler_s", "glue_s", "reward_s", "update_s", "tokens_per_s", "compile_s")
-    return {"bench": "e2e", "workflow": "orch_workers", "tasks": c.num_tasks, "episodes": c.rollout.group_size,
-            "max_new_tokens": int(next(iter(c.rollout.max_new_tokens.values()))), "lora_rank": c.trainable.rank,
-            **{k: best.get(k) for k in keys}, "first_step_s": recs[0]["step_s"],
-            "steps_s": [r["step_s"] for r in recs], "steps_compile_s": [r["compile_s"] for r in recs]}
+    rec = {"bench": "e2e", "workflow": "orch_workers", "preset": "" if small else preset, "tasks": c.num_tasks,
+           "episodes": c.rollout.group_size, "prompt_tokens": int(c.rollout.prompt_tokens),
+           "max_new_tokens": int(next(iter(c.rollout.max_new_tokens.values()))), "lora_rank": c.trainable.rank,
+           **{k: best.get(k) for k in keys}, **{k: warm[k] for k in ("warmup_s", "warmup_programs")},
+           "steps_s": [r["step_s"] for r in recs], "steps_compile_s": [r["compile_s"] for r in recs],
+           "steps_compile_programs": [r["compile_programs"] for r in recs]}
+    # The planner's roofline for the same config: this GPU's, else (CPU) an H100's, named.
+    rec["plan_chip"] = chip if chip in CHIPS else "H100-80GB"
+    t = plan(c, rec["plan_chip"], search_chips=False)["time"]
+    rec.update({f"plan_{k}": t[k] for k in ("step_s", "decode_s", "prefill_s", "update_s")})
+    rec["vs_plan"] = rec["plan_step_s"] / best["step_s"]
+    return rec
 
 
 def run_decode(args, dev):
@@ -515,7 +524,10 @@ def main(argv=None):
                                 8 if small else 64, 2 if small else 8, dev, args.reps):
             emit(rec, args.out)
     if "e2e" in parts:
-        emit(bench_e2e(cfg, jax.device_get(params), small, args.e2e_steps - 1), args.out)
+        kind = dev.get("device_kind", "")
+        chip = "H200" if "H200" in kind else "H100-80GB" if "H100" in kind else None
+        emit(bench_e2e(cfg, jax.device_get(params), small, args.e2e_steps - 1, args.e2e_preset, args.e2e_tasks,
+                       args.e2e_new_tokens, chip), args.out)
     emit({"bench": "total", "wall_s": time.perf_counter() - t0}, args.out)
 
 
