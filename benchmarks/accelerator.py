@@ -78,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--e2e_steps", type=int, default=2, help="training steps of the end-to-end part")
     p.add_argument("--e2e_preset", default="qwen3-0.6b,math",
                    help="orch_workers preset whose prompt and completion limits the end-to-end step takes")
-    p.add_argument("--e2e_tasks", type=int, default=1, help="tasks per end-to-end step (each with the preset's episodes)")
+    p.add_argument("--e2e_tasks", type=int, default=1,
+                   help="tasks per end-to-end step (each with the preset's episodes)")
     p.add_argument("--e2e_new_tokens", type=int, default=0, help="completion limit per role (0: the preset's)")
     return p.parse_args(argv)
 

@@ -295,11 +295,11 @@ class Sampler:
         the prefix-cache store from each, and the prefills loading prefix-cache hits (buckets.cached_regions);
         paged, the empty pool (one size per CallShape) and the insertion of the first rows into it. On a mesh
         each program is compiled for the shardings the one before it gives the state (so one after another); on
-        several processes the loop's host reads (all-gathers) run too. Returns the programs compiled. Under a KV budget the pool is the budget's; rows it preempts come back
-        through prefills of their tokens, which compile when met. A shape over rollout.max_batch refills: its
-        refill prefills (without a shared prefix and at each cached region; the first call compiles those with
-        the prefix it sets) and the insertion of a refill chunk. Calls beyond the shape (longer prompts) compile
-        what they need when met."""
+        several processes the loop's host reads (all-gathers) run too. Returns the programs compiled. Under a KV
+        budget the pool is the budget's; rows it preempts come back through prefills of their tokens, which
+        compile when met. A shape over rollout.max_batch refills: its refill prefills (without a shared prefix
+        and at each cached region; the first call compiles those with the prefix it sets) and the insertion of a
+        refill chunk. Calls beyond the shape (longer prompts) compile what they need when met (and say so)."""
         import concurrent.futures
 
         key = jax.random.PRNGKey(0) if key is None else key
