@@ -26,6 +26,9 @@ from marl_jax.models.tiny import tiny_model  # noqa: E402
 from marl_jax.train.loop import Trainer  # noqa: E402
 
 c = learning_config("isolated", prompt_dir)
+# Fewer rows than the learning runs (64 a stage, one batch): the warm-up's set, compiled one program at a time on
+# each of three processes sharing two cores in CI, stays small.
+c.num_tasks, c.rollout.max_batch = 4, 64
 # With the warm-up: its compiles must run in the same order on both processes (Trainer.warmup)
 c.train.update(steps=2, val_every=2, ckpt_every=2, plots=False, tensorboard=False, warmup=True)
 Trainer(c, workdir, model=tiny_model(tiny_tokenizer(), seed=1), tasks=digit_tasks(220), progress=False).run()

@@ -27,7 +27,7 @@ def _launch(pid, nproc, port, workdir, prompt_dir, local):
                              str(local)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _finish(p, timeout=400):
+def _finish(p, timeout=900):  # a hang's limit: three processes share CI's two cores with another worker
     out, _ = p.communicate(timeout=timeout)
     assert p.returncode == 0, out[-3000:]
     return json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
