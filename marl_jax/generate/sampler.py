@@ -318,8 +318,7 @@ class Sampler:
                 lowered.append(low)
                 return low.out_info
             compiled.append(low.compile())
-            return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                          compiled[-1].out_info)
+            return sharding.compiled_outputs(compiled[-1])
 
         cache_len = P if self.paged else P + Tn  # paged: the prompt slots, then written into the pool
         prefill = self.programs.prefill(sp, cache_len, Tn)

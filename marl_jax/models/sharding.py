@@ -164,6 +164,14 @@ def batch_sharding(x, mesh: Mesh, batch_axis: int = 0, rules=None) -> NamedShard
     return NamedSharding(mesh, batch_spec(np.shape(x), mesh, batch_axis, rules))
 
 
+def compiled_outputs(compiled) -> Any:
+    """A compiled program's outputs as abstract values with the shardings it gives them: programs lowered on
+    these are the ones later calls on the real outputs find in jit's cache (on a mesh an abstract value without
+    its sharding is another cache key, and the call compiles again)."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                  compiled.out_info)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -618,14 +618,9 @@ def make_train_step(cfg: ModelConfig, spec: PolicySpec, ucfg: UpdateConfig, tx: 
 
 
 def _outputs(lowered, compiled, mesh):
-    """A compiled program's outputs as abstract values that later programs are lowered on, as a step's calls
-    meet them: on a mesh with the shardings the program returns (an abstract value without one is another jit
-    cache key, and the call compiles again); on one device without any (a device's sharding is one too)."""
-    if mesh is None:
-        return lowered.out_info
-    return jax.tree_util.tree_map(
-        lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh, weak_type=getattr(o, "weak_type", False)),
-        lowered.out_info, compiled.output_shardings)
+    """What a step's later programs are lowered on: on a mesh the compiled outputs with their shardings; on one
+    device without any (a device's sharding is another cache key there)."""
+    return lowered.out_info if mesh is None else sharding.compiled_outputs(compiled)
 
 
 def _packed(ucfg: UpdateConfig, batch: TrainBatch) -> TrainBatch:
